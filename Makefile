@@ -1,0 +1,35 @@
+# Every target that needs the virtual environment depends on its stamp, so on a fresh machine
+# `make test` alone installs everything and runs the suite.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-slow test-all lint bench demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.lock scripts/post_install.py
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, from the CPU wheel on local disk, so no later step can pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) scripts/post_install.py
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "slow and not gpu" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/correction_overhead.py
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

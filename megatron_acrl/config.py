@@ -1,0 +1,888 @@
+"""Typed, frozen configuration: the single source of truth for a run.
+
+Every field carries an attribute docstring (Megatron-Core style) that ``--explain`` prints.
+Configs are loaded from YAML files in ``configs/`` with dotted command-line overrides::
+
+    cfg = load_config("configs/tiny_dense.yaml", ["correction.gamma=0.8", "parallel.tp=2"])
+
+Validation happens up front, before anything starts: an unknown key (with the nearest valid one
+suggested), a wrong type and an out-of-range value all raise :class:`ConfigError`, whose message
+names every offending key path and how to fix it.
+
+    python -m megatron_acrl.config --explain            # every field, its default and its doc
+    python -m megatron_acrl.config configs/X.yaml k=v    # validate and print the resolved config
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """One or more invalid config entries; ``errors`` holds (key path, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        lines = [f"  {path}: {msg}" if path else f"  {msg}" for path, msg in errors]
+        super().__init__("invalid config:\n" + "\n".join(lines))
+
+
+def _check(errors: list[tuple[str, str]], cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        errors.append((key, msg))
+
+
+def _raise_if(errors: list[tuple[str, str]]) -> None:
+    if errors:
+        raise ConfigError(errors)
+
+
+class _Section:
+    """Base of the config sections: an instance that exists is a valid one."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        return []
+
+    def __post_init__(self) -> None:
+        _raise_if(self.validate())
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+ModelFamily = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    family: ModelFamily = "qwen2"
+    """Model family; selects the Megatron<->HF name table and the architecture switches."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+
+    hidden_size: int = 64
+    """Hidden (model) dimension."""
+
+    ffn_hidden_size: int = 128
+    """SwiGLU intermediate size of dense MLPs."""
+
+    num_attention_heads: int = 4
+    """Attention heads."""
+
+    num_query_groups: int = 2
+    """Key/value heads (GQA); equal to num_attention_heads for MHA."""
+
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+
+    vocab_size: int = 320
+    """Vocabulary size of the tokenizer (Megatron pads it for TP internally)."""
+
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model is built for."""
+
+    rotary_base: float = 10000.0
+    """RoPE base frequency (theta)."""
+
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+
+    qk_layernorm: bool = False
+    """Apply RMSNorm to queries and keys (Qwen3)."""
+
+    add_qkv_bias: bool = True
+    """Bias on the QKV projection (Qwen2 has it; Llama and Qwen3 do not)."""
+
+    tie_embeddings: bool = True
+    """Share input embedding and output projection weights."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 builds a dense model."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: int = 64
+    """Intermediate size of each routed expert."""
+
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert; 0 means no shared expert."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient."""
+
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Training precision of parameters and activations (fp32 for exact layout-parity tests)."""
+
+    hf_path: str | None = None
+    """HF safetensors checkpoint to initialise from; None initialises randomly from training.seed."""
+
+    tokenizer_path: str | None = None
+    """Tokenizer directory; None uses the locally built tiny tokenizer."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+            _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(
+            e,
+            self.num_query_groups >= 1 and self.num_attention_heads % max(self.num_query_groups, 1) == 0,
+            "num_query_groups",
+            f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}",
+        )
+        if self.kv_channels is None:
+            _check(
+                e,
+                self.hidden_size % max(self.num_attention_heads, 1) == 0,
+                "hidden_size",
+                f"must be divisible by num_attention_heads={self.num_attention_heads} "
+                "(or set kv_channels explicitly)",
+            )
+        _check(e, self.num_experts >= 0, "num_experts", "must be >= 0 (0 = dense)")
+        if self.num_experts:
+            _check(
+                e,
+                1 <= self.moe_router_topk <= self.num_experts,
+                "moe_router_topk",
+                f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}",
+            )
+            _check(e, self.moe_ffn_hidden_size >= 1, "moe_ffn_hidden_size", "must be >= 1 for an MoE model")
+        _check(e, self.family != "qwen3_moe" or self.num_experts > 0, "num_experts",
+               "family qwen3_moe needs num_experts > 0")
+        _check(e, self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
+        return e
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None disables interleaving."""
+
+    ep: int = 1
+    """Expert-parallel size (MoE only)."""
+
+    dp: int | None = None
+    """Data-parallel size; None derives it as world_size / (tp * pp)."""
+
+    world_size: int | None = None
+    """Trainer ranks; None takes it from the launcher (WORLD_SIZE) at start-up."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (required for MoE with tp > 1)."""
+
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for name in ("tp", "pp", "ep"):
+            _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(e, self.vpp is None or self.vpp >= 2, "vpp", "must be >= 2 or null (no interleaving)")
+        _check(e, self.vpp is None or self.pp >= 2, "vpp", "interleaving needs pp >= 2; set vpp: null")
+        _check(e, self.dp is None or self.dp >= 1, "dp", "must be >= 1 or null (derived)")
+        if self.world_size is not None and self.tp >= 1 and self.pp >= 1:
+            mp = self.tp * self.pp
+            if self.dp is not None:
+                _check(e, mp * self.dp == self.world_size, "dp",
+                       f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} != world_size "
+                       f"{self.world_size}; set dp: {self.world_size // mp if self.world_size % mp == 0 else '?'}"
+                       " or change tp/pp")
+            else:
+                _check(e, self.world_size % mp == 0, "world_size",
+                       f"world_size {self.world_size} is not divisible by tp*pp = {mp}")
+        return e
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` ranks (raises ConfigError if inconsistent)."""
+        mp = self.tp * self.pp
+        if world_size % mp or (self.dp is not None and self.dp * mp != world_size):
+            raise ConfigError([("parallel", f"tp*pp*dp must equal world_size={world_size} "
+                                f"(tp={self.tp}, pp={self.pp}, dp={self.dp})")])
+        return world_size // mp
+
+
+Quantization = Literal["none", "fp8_block", "fp8_per_tensor", "fp8_per_channel"]
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    backend: Literal["sglang", "replay"] = "sglang"
+    """Where rollouts come from: live SGLang servers, or a directory recorded with --save-rollouts."""
+
+    num_servers: int = 1
+    """SGLang servers to start (each serves one full copy of the model)."""
+
+    server_tp: int = 1
+    """Tensor-parallel size of each SGLang server."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device the SGLang servers run on; auto picks cuda when available."""
+
+    host: str = "127.0.0.1"
+    """Address the servers bind; keep loopback unless the job spans nodes."""
+
+    base_port: int = 30000
+    """Port of the first server; server k listens on base_port + k."""
+
+    n_samples_per_prompt: int = 4
+    """Samples per prompt (the GRPO group size)."""
+
+    prompts_per_step: int = 8
+    """Prompts per rollout batch."""
+
+    temperature: float = 1.0
+    """Sampling temperature (applied identically in the trainer's log-probs)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling; values < 1 bias rho because returned log-probs are renormalised."""
+
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+
+    max_new_tokens: int = 16
+    """Longest response."""
+
+    max_prompt_len: int = 64
+    """Longest prompt in tokens; longer prompts are an error, never silently truncated."""
+
+    quantization: Quantization = "fp8_block"
+    """Weight quantization of the rollout copy: none (BF16 rollout) or an FP8 e4m3 scheme."""
+
+    fp8_block_size: tuple[int, int] = (128, 128)
+    """Block shape for fp8_block scales (rows, cols)."""
+
+    fp8_scale_ue8m0: bool = False
+    """Round FP8 scales to powers of two (DeepGEMM UE8M0), as SGLang's own quantizer does."""
+
+    bucket_size_mb: int = 512
+    """Weight-sync bucket size in MiB."""
+
+    max_concurrency: int = 64
+    """Concurrent /generate requests per server."""
+
+    request_timeout_s: float = 600.0
+    """Timeout of one /generate request."""
+
+    startup_timeout_s: float = 300.0
+    """How long to wait for a server to become healthy."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for name in ("num_servers", "server_tp", "n_samples_per_prompt", "prompts_per_step",
+                     "max_new_tokens", "max_prompt_len", "bucket_size_mb", "max_concurrency"):
+            _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
+        _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
+        _check(e, all(b >= 1 for b in self.fp8_block_size), "fp8_block_size", "both entries must be >= 1")
+        _check(e, 1 <= self.base_port <= 65535 - self.num_servers, "base_port", "must be a valid TCP port")
+        return e
+
+
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "ppo"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(_Section):
+    name: AlgorithmName = "grpo"
+    """Advantage estimator and defaults: grpo, dr_grpo (no std, sum-norm), dapo, ppo (critic + GAE)."""
+
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (epsilon_low)."""
+
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (epsilon_high; DAPO clip-higher uses 0.28)."""
+
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; None disables."""
+
+    loss_agg: LossAgg = "seq-mean-token-mean"
+    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
+
+    loss_norm_len: int | None = None
+    """Constant length for seq-mean-token-sum-norm; None uses rollout.max_new_tokens."""
+
+    grpo_norm_std: bool = True
+    """Divide group-centred rewards by the group std (False for Dr. GRPO)."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the KL-to-reference penalty in the loss; 0 disables the reference model."""
+
+    kl_type: Literal["k1", "k3"] = "k3"
+    """KL estimator for the reference penalty."""
+
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+
+    gae_gamma: float = 1.0
+    """PPO discount."""
+
+    gae_lambda: float = 0.95
+    """PPO GAE lambda."""
+
+    value_clip: float = 0.2
+    """Clip range of the PPO value loss."""
+
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+
+    num_minibatches: int = 1
+    """Optimizer steps per pass over a rollout batch."""
+
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill with new prompts."""
+
+    max_refill_rounds: int = 3
+    """DAPO: extra generation rounds to refill a batch after dynamic sampling."""
+
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: length of the soft-penalty buffer before max_new_tokens; 0 disables."""
+
+    overlong_penalty: float = 1.0
+    """DAPO overlong shaping: penalty reached at max_new_tokens."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(e, 0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _check(e, self.clip_high >= 0, "clip_high", f"must be >= 0, got {self.clip_high}")
+        _check(e, self.clip_low <= self.clip_high, "clip_low",
+               f"clip_low={self.clip_low} must not exceed clip_high={self.clip_high} (clip-higher raises clip_high)")
+        _check(e, self.dual_clip is None or self.dual_clip > 1, "dual_clip",
+               f"must be > 1 or null, got {self.dual_clip}")
+        _check(e, self.loss_norm_len is None or self.loss_norm_len >= 1, "loss_norm_len", "must be >= 1 or null")
+        _check(e, self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        _check(e, 0 <= self.gae_gamma <= 1, "gae_gamma", "must be in [0, 1]")
+        _check(e, 0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
+        _check(e, self.value_clip > 0, "value_clip", "must be > 0")
+        _check(e, self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _check(e, self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
+        _check(e, self.max_refill_rounds >= 0, "max_refill_rounds", "must be >= 0")
+        _check(e, self.overlong_buffer_len >= 0, "overlong_buffer_len", "must be >= 0 (0 disables)")
+        _check(e, self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+        return e
+
+
+CorrectionMethod = Literal["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
+
+
+@dataclass(frozen=True)
+class CorrectionConfig(_Section):
+    method: CorrectionMethod = "acrl"
+    """Training-inference mismatch correction: none, tis, seq_tis, seq_mis, geo_mis, icepop or acrl."""
+
+    tis_low: float = 0.0
+    """tis: lower clamp of the token weight rho = pi_old / mu."""
+
+    tis_high: float = 2.0
+    """tis: upper clamp of the token weight (slime --tis-clip, verl rollout_is_threshold)."""
+
+    seq_low: float = 0.5
+    """seq_tis / seq_mis: lower bound of the sequence ratio prod rho."""
+
+    seq_high: float = 2.0
+    """seq_tis / seq_mis: upper bound of the sequence ratio prod rho."""
+
+    geo_low: float = 0.999
+    """geo_mis: lower bound of the geometric-mean ratio exp(mean log rho)."""
+
+    geo_high: float = 1.001
+    """geo_mis: upper bound of the geometric-mean ratio."""
+
+    icepop_low: float = 0.5
+    """icepop: tokens with rho below this get weight 0."""
+
+    icepop_high: float = 5.0
+    """icepop: tokens with rho above this get weight 0."""
+
+    veto_threshold: float | None = None
+    """Drop a whole sequence if any token has rho below this (e.g. 1e-4); None disables."""
+
+    batch_normalize: bool = False
+    """Rescale the weights so their mean over valid tokens is 1."""
+
+    gamma: float = 0.65
+    """acrl: control strength; alpha = gamma * sign(A) * (1 - Y/X). 0 reproduces the uncorrected loss."""
+
+    distance: Literal["prob_abs", "logprob_abs", "k3"] = "prob_abs"
+    """acrl: per-token distance averaged into the sequence-level discrepancy (paper: prob_abs)."""
+
+    reference: Literal["static", "ema"] = "static"
+    """acrl: X fixed after the first reference batches (paper) or an exponential moving average."""
+
+    reference_batches: int = 1
+    """acrl: rollout batches averaged into the static reference X."""
+
+    ema_decay: float = 0.9
+    """acrl: X_t = decay * X_{t-1} + (1 - decay) * Y_t when reference is ema."""
+
+    per_sequence_y: bool = False
+    """acrl: use each sequence's own discrepancy Y_i instead of the batch Y."""
+
+    alpha_max: float | None = None
+    """acrl: bound |alpha| <= alpha_max; None leaves it unbounded (paper)."""
+
+    weight_low: float | None = None
+    """acrl: lower clamp of the weights; None leaves them unclamped (paper)."""
+
+    weight_high: float | None = None
+    """acrl: upper clamp of the weights; None leaves them unclamped (paper)."""
+
+    masks: tuple[Literal["seq_mis", "geo_mis", "veto"], ...] = ()
+    """Extra sequence masks composed with the method's weights (e.g. [seq_mis, veto] with acrl)."""
+
+    eps: float = 1e-8
+    """acrl: floor of X in Y/X so a perfectly matched reference does not divide by zero."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for lo, hi in (("tis_low", "tis_high"), ("seq_low", "seq_high"), ("geo_low", "geo_high"),
+                       ("icepop_low", "icepop_high")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            _check(e, a >= 0, lo, f"must be >= 0, got {a}")
+            _check(e, a < b, lo, f"{lo}={a} must be smaller than {hi}={b}")
+        _check(e, self.veto_threshold is None or 0 < self.veto_threshold < 1, "veto_threshold",
+               "must be in (0, 1) or null")
+        _check(e, self.gamma >= 0, "gamma", f"must be >= 0 (0 disables the correction), got {self.gamma}")
+        _check(e, self.reference_batches >= 1, "reference_batches", "must be >= 1")
+        _check(e, 0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        _check(e, self.alpha_max is None or self.alpha_max >= 0, "alpha_max", "must be >= 0 or null")
+        _check(e, self.weight_low is None or self.weight_low >= 0, "weight_low", "must be >= 0 or null")
+        if self.weight_low is not None and self.weight_high is not None:
+            _check(e, self.weight_low < self.weight_high, "weight_low", "must be smaller than weight_high")
+        _check(e, len(set(self.masks)) == len(self.masks), "masks", "lists a mask twice")
+        _check(e, self.eps > 0, "eps", "must be > 0")
+        return e
+
+
+@dataclass(frozen=True)
+class TrainingConfig(_Section):
+    num_steps: int = 20
+    """RL steps (rollout batches) to run."""
+
+    micro_batch_size: int = 4
+    """Sequences per micro-batch in the Megatron schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate (Adam)."""
+
+    min_lr: float = 0.0
+    """Final learning rate of the cosine schedule."""
+
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+    seed: int = 1234
+    """Seed of model init, sampling and data order."""
+
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; None disables checkpointing."""
+
+    save_interval: int = 0
+    """Save every N steps (and on SIGTERM); 0 saves only at the end and on SIGTERM."""
+
+    resume: bool = True
+    """Resume from the latest checkpoint in checkpoint_dir if one exists."""
+
+    eval_interval: int = 0
+    """Evaluate on the held-out split every N steps; 0 disables."""
+
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory)."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(e, self.num_steps >= 0, "num_steps", "must be >= 0")
+        _check(e, self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1")
+        _check(e, self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(e, 0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
+        _check(e, self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
+        _check(e, self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(e, 0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        _check(e, 0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        _check(e, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables)")
+        _check(e, self.save_interval >= 0, "save_interval", "must be >= 0")
+        _check(e, self.eval_interval >= 0, "eval_interval", "must be >= 0")
+        _check(e, self.logprob_chunk_size >= 1, "logprob_chunk_size", "must be >= 1")
+        return e
+
+
+@dataclass(frozen=True)
+class TaskConfig(_Section):
+    name: str = "addition"
+    """Task with a verifiable reward: a synthetic task name or gsm8k (JSONL at data_path)."""
+
+    data_path: str | None = None
+    """JSONL file for file-backed tasks (gsm8k format: question, answer)."""
+
+    num_digits: int = 2
+    """Synthetic tasks: operand size."""
+
+    eval_size: int = 64
+    """Held-out prompts for evaluation."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(e, self.num_digits >= 1, "num_digits", "must be >= 1")
+        _check(e, self.eval_size >= 0, "eval_size", "must be >= 0")
+        if self.name == "gsm8k":
+            _check(e, self.data_path is not None, "data_path", "gsm8k needs data_path: a JSONL file")
+        if self.data_path is not None:
+            _check(e, Path(self.data_path).exists(), "data_path", f"no such file: {self.data_path}")
+        return e
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    wandb_project: str = "megatron-acrl"
+    """W&B project name."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode; online needs WANDB_API_KEY."""
+
+    wandb_dir: str = "wandb"
+    """Directory of the W&B run files."""
+
+    run_name: str | None = None
+    """Run name; None lets W&B choose."""
+
+    log_interval: int = 1
+    """Log every N steps."""
+
+    sample_table_interval: int = 10
+    """Log a table of sample completions every N steps; 0 disables."""
+
+    console: bool = True
+    """Show a console progress line with the key numbers."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(e, self.log_interval >= 1, "log_interval", "must be >= 1")
+        _check(e, self.sample_table_interval >= 0, "sample_table_interval", "must be >= 0")
+        return e
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engine (SGLang) and weight sync."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm and policy loss."""
+
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Training-inference mismatch correction."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimizer, schedule, checkpoints."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Prompts and verifiable reward."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """W&B and console."""
+
+    def __post_init__(self) -> None:
+        # Each section validated itself on construction; what is left spans sections.
+        _raise_if(self._cross_checks())
+
+    def _cross_checks(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        m, p = self.model, self.parallel
+        _check(e, m.num_attention_heads % p.tp == 0, "parallel.tp",
+               f"num_attention_heads={m.num_attention_heads} must be divisible by tp={p.tp}")
+        _check(e, m.num_query_groups % p.tp == 0, "parallel.tp",
+               f"num_query_groups={m.num_query_groups} must be divisible by tp={p.tp}")
+        stages = p.pp * (p.vpp or 1)
+        _check(e, m.num_layers % stages == 0, "parallel.pp",
+               f"num_layers={m.num_layers} must be divisible by pp*vpp={stages}")
+        if m.is_moe:
+            _check(e, m.num_experts % p.ep == 0, "parallel.ep",
+                   f"num_experts={m.num_experts} must be divisible by ep={p.ep}")
+            _check(e, p.tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+                   "MoE with tp > 1 needs sequence_parallel: true (Megatron requirement)")
+        else:
+            _check(e, p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model (model.num_experts > 0)")
+        _check(e, not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
+               "sequence parallelism needs tp > 1")
+        total = self.rollout.max_prompt_len + self.rollout.max_new_tokens
+        _check(e, total <= m.max_position_embeddings, "rollout.max_new_tokens",
+               f"max_prompt_len + max_new_tokens = {total} exceeds model.max_position_embeddings="
+               f"{m.max_position_embeddings}")
+        a = self.algorithm
+        if a.name == "dr_grpo":
+            _check(e, not a.grpo_norm_std, "algorithm.grpo_norm_std", "dr_grpo does not divide by the std; set false")
+        return e
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: YAML + dotted overrides -> typed, validated Config
+# --------------------------------------------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each annotated field."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):  # pragma: no cover - source unavailable
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if origin is tuple:
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {_type_name(args[0])}"
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return the typed value or raise ConfigError."""
+    origin = get_origin(tp)
+    bad = ConfigError([(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")])
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        msg = f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"
+        raise ConfigError([(path, msg + (f" (did you mean {hint[0]!r}?)" if hint else ""))])
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise bad
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError([(path, f"expected {len(args)} entries {_type_name(tp)}, got {list(value)!r}")])
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError([(path, f"must be finite, got {value!r}")])
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise ConfigError([(path, f"unsupported field type {tp!r}")])  # pragma: no cover
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError([(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {data!r}")])
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    errors: list[tuple[str, str]] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            fix = f"did you mean {(path + '.' if path else '') + hint[0]!r}?" if hint else (
+                f"valid keys: {', '.join(names)}")
+            errors.append((key_path, f"unknown key; {fix}"))
+            continue
+        tp = hints[key]
+        try:
+            kwargs[key] = _build(tp, value, key_path) if is_dataclass(tp) else _coerce(value, tp, key_path)
+        except ConfigError as err:
+            errors += err.errors
+    _raise_if(errors)
+    try:
+        obj = cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError([(f"{path}.{p}" if path and p else p or path, m) for p, m in err.errors]) from None
+    return obj
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError([(dotted, f"cannot set a sub-key of {k!r}, which is not a section")])
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ``["a.b=1", "c.d=[1, 2]"]`` into a nested dict; values are parsed as YAML scalars."""
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([(item, "override must look like section.key=value, e.g. correction.gamma=0.8")])
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError([(key, f"cannot parse value {raw!r}: {err}")]) from None
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (as read from YAML)."""
+    return _build(Config, data, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (YAML; None means all defaults), apply dotted ``overrides``, validate."""
+    data: dict = {}
+    if path is not None and str(path) != "":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([("", f"config file not found: {p} (pass a YAML file from configs/)")])
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError([("", f"{p} is not valid YAML: {err}")]) from None
+        if not isinstance(data, dict):
+            raise ConfigError([("", f"{p} must hold a mapping of sections, got {type(data).__name__}")])
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) suitable for YAML, W&B and checkpoints."""
+    def conv(v: Any) -> Any:
+        if is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+    return conv(cfg)
+
+
+def explain(cls: type = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted path, type, default and doc."""
+    lines: list[str] = []
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    default = cls()
+    for f in fields(cls):
+        tp = hints[f.name]
+        path = f"{prefix}{f.name}"
+        if is_dataclass(tp):
+            lines.append(f"[{path}]  {docs.get(f.name, '')}")
+            lines += explain(tp, path + ".")
+        else:
+            value = config_to_dict(getattr(default, f.name)) if not prefix else getattr(default, f.name)
+            value = list(value) if isinstance(value, tuple) else value
+            lines.append(f"  {path}: {_type_name(tp)} = {value!r}\n      {docs.get(f.name, '(undocumented)')}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_acrl.config", description=__doc__.split("\n")[0])
+    ap.add_argument("config", nargs="?", help="YAML config to validate and print")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. correction.gamma=0.8")
+    ap.add_argument("--explain", action="store_true", help="print every field with its type, default and doc")
+    args = ap.parse_args(argv)
+    if args.explain:
+        print("\n".join(explain()))
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
