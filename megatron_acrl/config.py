@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import difflib
 import inspect
 import math
@@ -162,8 +161,12 @@ class ModelConfig(_Section):
                 f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}",
             )
             _check(e, self.moe_ffn_hidden_size >= 1, "moe_ffn_hidden_size", "must be >= 1 for an MoE model")
-        _check(e, self.family != "qwen3_moe" or self.num_experts > 0, "num_experts",
-               "family qwen3_moe needs num_experts > 0")
+        _check(
+            e,
+            self.family != "qwen3_moe" or self.num_experts > 0,
+            "num_experts",
+            "family qwen3_moe needs num_experts > 0",
+        )
         _check(e, self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
         return e
 
@@ -208,21 +211,36 @@ class ParallelConfig(_Section):
         if self.world_size is not None and self.tp >= 1 and self.pp >= 1:
             mp = self.tp * self.pp
             if self.dp is not None:
-                _check(e, mp * self.dp == self.world_size, "dp",
-                       f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} != world_size "
-                       f"{self.world_size}; set dp: {self.world_size // mp if self.world_size % mp == 0 else '?'}"
-                       " or change tp/pp")
+                _check(
+                    e,
+                    mp * self.dp == self.world_size,
+                    "dp",
+                    f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} != world_size "
+                    f"{self.world_size}; "
+                    + (f"set dp: {self.world_size // mp}" if self.world_size % mp == 0 else "change tp/pp"),
+                )
             else:
-                _check(e, self.world_size % mp == 0, "world_size",
-                       f"world_size {self.world_size} is not divisible by tp*pp = {mp}")
+                _check(
+                    e,
+                    self.world_size % mp == 0,
+                    "world_size",
+                    f"world_size {self.world_size} is not divisible by tp*pp = {mp}",
+                )
         return e
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel size for ``world_size`` ranks (raises ConfigError if inconsistent)."""
         mp = self.tp * self.pp
         if world_size % mp or (self.dp is not None and self.dp * mp != world_size):
-            raise ConfigError([("parallel", f"tp*pp*dp must equal world_size={world_size} "
-                                f"(tp={self.tp}, pp={self.pp}, dp={self.dp})")])
+            raise ConfigError(
+                [
+                    (
+                        "parallel",
+                        f"tp*pp*dp must equal world_size={world_size} "
+                        f"(tp={self.tp}, pp={self.pp}, dp={self.dp})",
+                    )
+                ]
+            )
         return world_size // mp
 
 
@@ -293,8 +311,16 @@ class RolloutConfig(_Section):
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
-        for name in ("num_servers", "server_tp", "n_samples_per_prompt", "prompts_per_step",
-                     "max_new_tokens", "max_prompt_len", "bucket_size_mb", "max_concurrency"):
+        for name in (
+            "num_servers",
+            "server_tp",
+            "n_samples_per_prompt",
+            "prompts_per_step",
+            "max_new_tokens",
+            "max_prompt_len",
+            "bucket_size_mb",
+            "max_concurrency",
+        ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -374,11 +400,22 @@ class AlgorithmConfig(_Section):
         e: list[tuple[str, str]] = []
         _check(e, 0 <= self.clip_low < 1, "clip_low", f"must be in [0, 1), got {self.clip_low}")
         _check(e, self.clip_high >= 0, "clip_high", f"must be >= 0, got {self.clip_high}")
-        _check(e, self.clip_low <= self.clip_high, "clip_low",
-               f"clip_low={self.clip_low} must not exceed clip_high={self.clip_high} (clip-higher raises clip_high)")
-        _check(e, self.dual_clip is None or self.dual_clip > 1, "dual_clip",
-               f"must be > 1 or null, got {self.dual_clip}")
-        _check(e, self.loss_norm_len is None or self.loss_norm_len >= 1, "loss_norm_len", "must be >= 1 or null")
+        _check(
+            e,
+            self.clip_low <= self.clip_high,
+            "clip_low",
+            f"clip_low={self.clip_low} must not exceed clip_high={self.clip_high} "
+            "(clip-higher raises clip_high)",
+        )
+        _check(
+            e,
+            self.dual_clip is None or self.dual_clip > 1,
+            "dual_clip",
+            f"must be > 1 or null, got {self.dual_clip}",
+        )
+        _check(
+            e, self.loss_norm_len is None or self.loss_norm_len >= 1, "loss_norm_len", "must be >= 1 or null"
+        )
         _check(e, self.kl_coef >= 0, "kl_coef", "must be >= 0")
         _check(e, 0 <= self.gae_gamma <= 1, "gae_gamma", "must be in [0, 1]")
         _check(e, 0 <= self.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
@@ -456,21 +493,30 @@ class CorrectionConfig(_Section):
     weight_high: float | None = None
     """acrl: upper clamp of the weights; None leaves them unclamped (paper)."""
 
-    masks: tuple[Literal["seq_mis", "geo_mis", "veto"], ...] = ()
-    """Extra sequence masks composed with the method's weights (e.g. [seq_mis, veto] with acrl)."""
+    masks: tuple[Literal["seq_mis", "geo_mis"], ...] = ()
+    """Extra sequence masks composed with the method's weights (e.g. [seq_mis] with acrl); the
+    bands are seq_low/seq_high and geo_low/geo_high. The veto composes via veto_threshold."""
 
     eps: float = 1e-8
     """acrl: floor of X in Y/X so a perfectly matched reference does not divide by zero."""
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
-        for lo, hi in (("tis_low", "tis_high"), ("seq_low", "seq_high"), ("geo_low", "geo_high"),
-                       ("icepop_low", "icepop_high")):
+        for lo, hi in (
+            ("tis_low", "tis_high"),
+            ("seq_low", "seq_high"),
+            ("geo_low", "geo_high"),
+            ("icepop_low", "icepop_high"),
+        ):
             a, b = getattr(self, lo), getattr(self, hi)
             _check(e, a >= 0, lo, f"must be >= 0, got {a}")
             _check(e, a < b, lo, f"{lo}={a} must be smaller than {hi}={b}")
-        _check(e, self.veto_threshold is None or 0 < self.veto_threshold < 1, "veto_threshold",
-               "must be in (0, 1) or null")
+        _check(
+            e,
+            self.veto_threshold is None or 0 < self.veto_threshold < 1,
+            "veto_threshold",
+            "must be in (0, 1) or null",
+        )
         _check(e, self.gamma >= 0, "gamma", f"must be >= 0 (0 disables the correction), got {self.gamma}")
         _check(e, self.reference_batches >= 1, "reference_batches", "must be >= 1")
         _check(e, 0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
@@ -570,8 +616,6 @@ class TaskConfig(_Section):
         _check(e, self.eval_size >= 0, "eval_size", "must be >= 0")
         if self.name == "gsm8k":
             _check(e, self.data_path is not None, "data_path", "gsm8k needs data_path: a JSONL file")
-        if self.data_path is not None:
-            _check(e, Path(self.data_path).exists(), "data_path", f"no such file: {self.data_path}")
         return e
 
 
@@ -635,32 +679,80 @@ class Config:
         # Each section validated itself on construction; what is left spans sections.
         _raise_if(self._cross_checks())
 
+    def check_paths(self) -> None:
+        """Check that files the run reads exist *here* (called at start-up and at submit time,
+        not at load time, so cluster configs can be inspected anywhere)."""
+        errors: list[tuple[str, str]] = []
+        for key, value in (
+            ("task.data_path", self.task.data_path),
+            ("model.hf_path", self.model.hf_path),
+            ("model.tokenizer_path", self.model.tokenizer_path),
+        ):
+            if value is not None and not Path(value).exists():
+                errors.append((key, f"no such file or directory: {value} (fix the path or set it to null)"))
+        _raise_if(errors)
+
     def _cross_checks(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
         m, p = self.model, self.parallel
-        _check(e, m.num_attention_heads % p.tp == 0, "parallel.tp",
-               f"num_attention_heads={m.num_attention_heads} must be divisible by tp={p.tp}")
-        _check(e, m.num_query_groups % p.tp == 0, "parallel.tp",
-               f"num_query_groups={m.num_query_groups} must be divisible by tp={p.tp}")
+        _check(
+            e,
+            m.num_attention_heads % p.tp == 0,
+            "parallel.tp",
+            f"num_attention_heads={m.num_attention_heads} must be divisible by tp={p.tp}",
+        )
+        _check(
+            e,
+            m.num_query_groups % p.tp == 0,
+            "parallel.tp",
+            f"num_query_groups={m.num_query_groups} must be divisible by tp={p.tp}",
+        )
         stages = p.pp * (p.vpp or 1)
-        _check(e, m.num_layers % stages == 0, "parallel.pp",
-               f"num_layers={m.num_layers} must be divisible by pp*vpp={stages}")
+        _check(
+            e,
+            m.num_layers % stages == 0,
+            "parallel.pp",
+            f"num_layers={m.num_layers} must be divisible by pp*vpp={stages}",
+        )
         if m.is_moe:
-            _check(e, m.num_experts % p.ep == 0, "parallel.ep",
-                   f"num_experts={m.num_experts} must be divisible by ep={p.ep}")
-            _check(e, p.tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
-                   "MoE with tp > 1 needs sequence_parallel: true (Megatron requirement)")
+            _check(
+                e,
+                m.num_experts % p.ep == 0,
+                "parallel.ep",
+                f"num_experts={m.num_experts} must be divisible by ep={p.ep}",
+            )
+            _check(
+                e,
+                p.tp == 1 or p.sequence_parallel,
+                "parallel.sequence_parallel",
+                "MoE with tp > 1 needs sequence_parallel: true (Megatron requirement)",
+            )
         else:
-            _check(e, p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model (model.num_experts > 0)")
-        _check(e, not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel",
-               "sequence parallelism needs tp > 1")
+            _check(
+                e, p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model (model.num_experts > 0)"
+            )
+        _check(
+            e,
+            not p.sequence_parallel or p.tp > 1,
+            "parallel.sequence_parallel",
+            "sequence parallelism needs tp > 1",
+        )
         total = self.rollout.max_prompt_len + self.rollout.max_new_tokens
-        _check(e, total <= m.max_position_embeddings, "rollout.max_new_tokens",
-               f"max_prompt_len + max_new_tokens = {total} exceeds model.max_position_embeddings="
-               f"{m.max_position_embeddings}")
+        _check(
+            e,
+            total <= m.max_position_embeddings,
+            "rollout.max_new_tokens",
+            f"max_prompt_len + max_new_tokens = {total} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}",
+        )
         a = self.algorithm
         if a.name == "dr_grpo":
-            _check(e, not a.grpo_norm_std, "algorithm.grpo_norm_std", "dr_grpo does not divide by the std; set false")
+            _check(
+                e,
+                not a.grpo_norm_std,
+                "algorithm.grpo_norm_std",
+                "dr_grpo does not divide by the std; set false",
+            )
         return e
 
 
@@ -679,7 +771,11 @@ def _field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -764,8 +860,11 @@ def _build(cls: type, data: Any, path: str) -> Any:
         key_path = f"{path}.{key}" if path else str(key)
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            fix = f"did you mean {(path + '.' if path else '') + hint[0]!r}?" if hint else (
-                f"valid keys: {', '.join(names)}")
+            fix = (
+                f"did you mean {(path + '.' if path else '') + hint[0]!r}?"
+                if hint
+                else (f"valid keys: {', '.join(names)}")
+            )
             errors.append((key_path, f"unknown key; {fix}"))
             continue
         tp = hints[key]
@@ -797,7 +896,9 @@ def parse_overrides(overrides: list[str]) -> dict:
     data: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError([(item, "override must look like section.key=value, e.g. correction.gamma=0.8")])
+            raise ConfigError(
+                [(item, "override must look like section.key=value, e.g. correction.gamma=0.8")]
+            )
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
@@ -838,12 +939,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_to_dict(cfg: Any) -> dict:
     """Plain nested dict (tuples as lists) suitable for YAML, W&B and checkpoints."""
+
     def conv(v: Any) -> Any:
         if is_dataclass(v):
             return {f.name: conv(getattr(v, f.name)) for f in fields(v)}
         if isinstance(v, tuple):
             return [conv(x) for x in v]
         return v
+
     return conv(cfg)
 
 
@@ -862,7 +965,9 @@ def explain(cls: type = Config, prefix: str = "") -> list[str]:
         else:
             value = config_to_dict(getattr(default, f.name)) if not prefix else getattr(default, f.name)
             value = list(value) if isinstance(value, tuple) else value
-            lines.append(f"  {path}: {_type_name(tp)} = {value!r}\n      {docs.get(f.name, '(undocumented)')}")
+            lines.append(
+                f"  {path}: {_type_name(tp)} = {value!r}\n      {docs.get(f.name, '(undocumented)')}"
+            )
     return lines
 
 

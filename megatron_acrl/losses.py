@@ -1,0 +1,233 @@
+"""Policy, value, KL and entropy losses: pure tensor functions with explicit global denominators.
+
+Every loss here returns a *partial* value: already divided by the global denominators of the
+whole optimizer step (``num_tokens``: valid response tokens over all micro-batches and
+data-parallel ranks; ``num_seqs``: sequences with at least one response token), so summing it over
+micro-batches and ranks gives the full-batch loss and the gradient does not depend on how the
+batch was split. Metrics are partials too (see :mod:`megatron_acrl.correction.metrics`).
+
+Aggregation modes (``loss_agg``):
+- ``token-mean`` (DAPO): ``sum_{i,t} l_it / num_tokens``.
+- ``seq-mean-token-mean`` (GRPO): ``sum_i (sum_t l_it / |y_i|) / num_seqs``.
+- ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_{i,t} l_it / (num_seqs * norm_len)``.
+Tokens dropped by a correction (weight 0) still count in the denominators, as in verl.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
+from megatron_acrl.correction.metrics import MismatchTensors, mismatch_metrics
+from megatron_acrl.correction.weights import AcrlSignal, compute_correction
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: int | Tensor,
+    num_seqs: int | Tensor,
+    norm_len: int | None = None,
+) -> Tensor:
+    """Aggregate a per-token quantity ``[B, T]`` into a scalar partial with global denominators.
+
+    Args:
+        per_token: ``[B, T]`` values (padding may hold anything; it is masked).
+        mask: ``[B, T]`` response mask.
+        mode: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``.
+        num_tokens / num_seqs: global denominators.
+        norm_len: constant length of ``seq-mean-token-sum-norm``.
+    """
+    m = mask.bool()
+    x = torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    n_tok = torch.as_tensor(num_tokens, dtype=x.dtype, device=x.device).clamp_min(1)
+    n_seq = torch.as_tensor(num_seqs, dtype=x.dtype, device=x.device).clamp_min(1)
+    if mode == "token-mean":
+        return x.sum() / n_tok
+    if mode == "seq-mean-token-mean":
+        lens = m.sum(-1).clamp_min(1).to(x.dtype)
+        return (x.sum(-1) / lens).sum() / n_seq
+    if mode == "seq-mean-token-sum-norm":
+        if norm_len is None or norm_len < 1:
+            raise ValueError("seq-mean-token-sum-norm needs norm_len >= 1 (algorithm.loss_norm_len)")
+        return x.sum() / (n_seq * norm_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def ppo_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token clipped PPO surrogate (to be minimised) and the clip indicator.
+
+    ``l = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` with ``r = pi / pi_old``;
+    with ``dual_clip = c``, tokens with ``A < 0`` are bounded by ``-A c``.
+
+    Args:
+        logprobs: ``[B, T]`` log pi (requires grad). old_logprobs: ``[B, T]`` log pi_old.
+        advantages: ``[B, T]``. mask: ``[B, T]``. weights: ``[B, T]`` detached correction weights.
+    Returns:
+        ``(loss [B, T], clipped [B, T] bool)``; padding entries are 0 / False.
+    """
+    m = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_r = torch.where(m, logprobs - old_logprobs.detach(), zero)
+    ratio = torch.exp(log_r)
+    adv = torch.where(m, advantages.detach(), zero)
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(l1, l2)
+    clipped = (l2 > l1) & m
+    if dual_clip is not None:
+        l3 = -adv * dual_clip
+        loss = torch.where(adv < 0, torch.minimum(loss, l3), loss)
+    if weights is not None:
+        loss = loss * weights.detach()
+    return torch.where(m, loss, zero), clipped
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
+    """Per-token KL(pi || pi_ref) estimate ``[B, T]`` on samples of pi.
+
+    ``k1 = log pi - log pi_ref``; ``k3 = r - 1 - log r`` with ``r = pi_ref / pi`` (non-negative,
+    low variance). Gradients flow through ``logprobs`` only.
+    """
+    log_r = ref_logprobs.detach() - logprobs
+    if kind == "k1":
+        return -log_r
+    if kind == "k3":
+        log_r = log_r.clamp(-20.0, 20.0)
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1 or k3")
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float,
+    num_tokens: int | Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO value loss ``0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)``, token-mean.
+
+    Args:
+        values: ``[B, T]`` (requires grad). old_values / returns: ``[B, T]``. mask: ``[B, T]``.
+    Returns:
+        ``(partial loss, partial metrics)`` with ``num_tokens`` as denominator.
+    """
+    m = mask.bool()
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    a = (values - returns) ** 2
+    b = (v_clip - returns) ** 2
+    per_tok = 0.5 * torch.maximum(a, b)
+    loss = aggregate(per_tok, m, "token-mean", num_tokens=num_tokens, num_seqs=1)
+    n_tok = torch.as_tensor(num_tokens, dtype=values.dtype, device=values.device).clamp_min(1)
+    metrics = {
+        "critic/value_loss": loss.detach(),
+        "critic/value_clipfrac": ((b > a) & m).sum() / n_tok,
+    }
+    return loss, metrics
+
+
+def rl_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    algorithm: AlgorithmConfig,
+    correction: CorrectionConfig,
+    acrl: AcrlSignal | None,
+    num_tokens: int | Tensor,
+    num_seqs: int | Tensor,
+    entropy: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    norm_len: int | None = None,
+    with_mismatch_metrics: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The corrected policy loss of one micro-batch, as the Megatron loss adapter calls it.
+
+    Args:
+        logprobs: ``[B, T]`` log pi of the sampled tokens under the current weights (requires grad).
+        old_logprobs: ``[B, T]`` log pi_old (trainer forward-only pass before the update).
+        rollout_logprobs: ``[B, T]`` log mu from the rollout engine.
+        advantages: ``[B, T]``.
+        loss_mask: ``[B, T]`` 1 on response tokens.
+        algorithm / correction: settings.
+        acrl: controller signal of this rollout batch (``correction.method == "acrl"``).
+        num_tokens / num_seqs: global denominators of the optimizer step.
+        entropy: ``[B, T]`` token entropies (requires grad if ``entropy_coef`` > 0).
+        ref_logprobs: ``[B, T]`` reference-model log-probs (for ``kl_coef`` > 0).
+        norm_len: Dr. GRPO constant length (default ``algorithm.loss_norm_len``).
+        with_mismatch_metrics: also return the pi_old-vs-mu mismatch metrics.
+    Returns:
+        ``(loss, partial metrics)``; ``loss`` summed over micro-batches and ranks is the full loss.
+    """
+    shared = MismatchTensors(old_logprobs, rollout_logprobs, loss_mask)
+    corr = compute_correction(
+        correction,
+        None,
+        None,
+        None,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        advantages=advantages,
+        acrl=acrl,
+        shared=shared,
+    )
+    pg, clipped = ppo_policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_low=algorithm.clip_low,
+        clip_high=algorithm.clip_high,
+        dual_clip=algorithm.dual_clip,
+        weights=corr.weights,
+    )
+    agg = algorithm.loss_agg
+    nl = norm_len if norm_len is not None else algorithm.loss_norm_len
+    kw = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=nl)
+    pg_loss = aggregate(pg, loss_mask, agg, **kw)
+    loss = pg_loss
+    n_tok = torch.as_tensor(num_tokens, dtype=logprobs.dtype, device=logprobs.device).clamp_min(1)
+    m = loss_mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    ppo_kl = torch.where(m, old_logprobs.detach() - logprobs.detach(), zero)
+    stats = torch.stack([clipped.sum().to(ppo_kl.dtype), ppo_kl.sum()]) / n_tok
+    metrics: dict[str, Tensor] = {
+        "loss/pg_loss": pg_loss.detach(),
+        "loss/pg_clipfrac": stats[0],
+        "loss/ppo_kl": stats[1],
+    }
+    if algorithm.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs (the reference model's log-probs)")
+        kl = aggregate(kl_penalty(logprobs, ref_logprobs, algorithm.kl_type), loss_mask, agg, **kw)
+        loss = loss + algorithm.kl_coef * kl
+        metrics["loss/kl_ref"] = kl.detach()
+    if entropy is not None:
+        ent = aggregate(entropy, loss_mask, agg, **kw)
+        metrics["loss/entropy"] = ent.detach()
+        if algorithm.entropy_coef:
+            loss = loss - algorithm.entropy_coef * ent
+    metrics["loss/total"] = loss.detach()
+    metrics.update(corr.metrics)
+    if with_mismatch_metrics:
+        metrics.update(
+            mismatch_metrics(None, None, None, num_tokens=num_tokens, num_seqs=num_seqs, shared=shared)
+        )
+    return loss, metrics

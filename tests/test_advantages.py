@@ -1,0 +1,72 @@
+"""Advantages and reward shaping against straightforward references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_acrl.advantages import (
+    dynamic_sampling_keep,
+    gae,
+    grpo_advantages,
+    overlong_penalty,
+    token_advantages,
+)
+
+
+def test_grpo_reference():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    gid = torch.tensor([7, 7, 7, 7, 3, 3, 9, 9])
+    adv = grpo_advantages(rewards, gid)
+    # group 7: mean 0.75, unbiased std 0.5
+    assert adv[:4].tolist() == pytest.approx([0.5, -1.5, 0.5, 0.5], rel=1e-5)
+    assert adv[4:].abs().max() == 0  # constant groups carry no signal
+    dr = grpo_advantages(rewards, gid, norm_std=False)
+    assert dr[:4].tolist() == pytest.approx([0.25, -0.75, 0.25, 0.25])
+
+
+def test_token_advantages_respects_mask():
+    adv = token_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[0, 1, 1], [1, 0, 0]]))
+    assert adv.tolist() == [[0.0, 2.0, 2.0], [-1.0, 0.0, 0.0]]
+
+
+def test_gae_reference_and_padding_invariance():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    adv, ret = gae(r, v, mask, gamma=0.9, lam=0.8)
+    for i in range(2):
+        n = int(mask[i].sum())
+        last = 0.0
+        for t in reversed(range(n)):
+            nv = float(v[i, t + 1]) if t + 1 < n else 0.0
+            delta = float(r[i, t]) + 0.9 * nv - float(v[i, t])
+            last = delta + 0.9 * 0.8 * last
+            assert adv[i, t].item() == pytest.approx(last)
+            assert ret[i, t].item() == pytest.approx(last + float(v[i, t]))
+    assert (adv[1, 3:] == 0).all()
+    # Prompt tokens in front (mask 0) do not change the response tokens' advantages.
+    pad_r = torch.cat([torch.randn(2, 3, dtype=torch.float64), r], 1)
+    pad_v = torch.cat([torch.randn(2, 3, dtype=torch.float64), v], 1)
+    pad_m = torch.cat([torch.zeros(2, 3, dtype=mask.dtype), mask], 1)
+    adv2, _ = gae(pad_r, pad_v, pad_m, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv2[:, 3:], adv)
+
+
+def test_dynamic_sampling_keep():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    gid = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert dynamic_sampling_keep(rewards, gid).tolist() == [False, False, True, True, False, False]
+
+
+def test_overlong_penalty():
+    lens = torch.tensor([10, 12, 14, 16, 20])
+    pen = overlong_penalty(lens, max_len=16, buffer_len=4, penalty=1.0)
+    assert pen.tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+    assert overlong_penalty(lens, max_len=16, buffer_len=0).abs().sum() == 0
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(lens, max_len=4, buffer_len=8)
+    assert not math.isnan(pen.sum().item())

@@ -1,0 +1,188 @@
+"""Config: YAML + dotted overrides, every class of bad input, --explain."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_acrl.config import (
+    Config,
+    ConfigError,
+    CorrectionConfig,
+    ParallelConfig,
+    _field_docs,
+    config_from_dict,
+    config_to_dict,
+    explain,
+    load_config,
+    parse_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def error_of(fn, *a, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*a, **kw)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    # Round trip: the dict form loads back to the same config.
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(
+        ROOT / "configs/tiny_dense.yaml",
+        [
+            "correction.gamma=0.8",
+            "parallel.tp=2",
+            "rollout.fp8_block_size=[64, 64]",
+            "correction.method=tis",
+            "training.checkpoint_dir=null",
+            "correction.masks=[seq_mis]",
+        ],
+    )
+    assert cfg.correction.gamma == 0.8 and isinstance(cfg.correction.gamma, float)
+    assert cfg.parallel.tp == 2
+    assert cfg.rollout.fp8_block_size == (64, 64)
+    assert cfg.correction.masks == ("seq_mis",)
+    assert cfg.training.checkpoint_dir is None
+
+
+def test_unknown_key_suggests_nearest():
+    msg = error_of(load_config, None, ["correction.gama=0.8"])
+    assert "correction.gama" in msg and "did you mean 'correction.gamma'" in msg
+    msg = error_of(config_from_dict, {"corection": {}})
+    assert "did you mean 'correction'" in msg
+
+
+def test_wrong_type_names_key_and_type():
+    msg = error_of(load_config, None, ["training.micro_batch_size=four"])
+    assert "training.micro_batch_size" in msg and "expected int" in msg
+    assert "expected bool" in error_of(load_config, None, ["parallel.sequence_parallel=3"])
+    assert "expected float" in error_of(load_config, None, ["correction.gamma=[1]"])
+    assert "expected 2 entries" in error_of(load_config, None, ["rollout.fp8_block_size=[1, 2, 3]"])
+
+
+def test_bad_choice_suggests_valid_one():
+    msg = error_of(load_config, None, ["correction.method=icepo"])
+    assert "correction.method" in msg and "did you mean 'icepop'" in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "words"),
+    [
+        (["algorithm.clip_low=0.3", "algorithm.clip_high=0.2"], "algorithm.clip_low", "must not exceed"),
+        (["correction.gamma=-0.1"], "correction.gamma", ">= 0"),
+        (["correction.tis_low=3.0"], "correction.tis_low", "smaller than tis_high"),
+        (["correction.ema_decay=1.0"], "correction.ema_decay", "[0, 1)"),
+        (["rollout.temperature=0"], "rollout.temperature", "> 0"),
+        (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "> 1"),
+        (["training.lr=0"], "training.lr", "> 0"),
+        (
+            ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.world_size=6"],
+            "parallel.dp",
+            "!= world_size",
+        ),
+        (["parallel.tp=3"], "parallel.tp", "divisible by tp=3"),
+        (["parallel.pp=3"], "parallel.pp", "divisible by pp*vpp"),
+        (["parallel.ep=2"], "parallel.ep", "needs an MoE model"),
+        (["rollout.max_new_tokens=1000"], "rollout.max_new_tokens", "max_position_embeddings"),
+        (["task.name=gsm8k"], "task.data_path", "needs data_path"),
+        (["parallel.vpp=2"], "parallel.vpp", "pp >= 2"),
+    ],
+)
+def test_out_of_range_values(override, key, words):
+    msg = error_of(load_config, None, override)
+    assert key in msg and words in msg
+
+
+def test_moe_cross_checks():
+    base = ["model.family=qwen3_moe", "model.num_experts=4"]
+    assert "divisible by ep=3" in error_of(load_config, None, base + ["parallel.ep=3"])
+    assert "sequence_parallel: true" in error_of(load_config, None, base + ["parallel.tp=2"])
+    assert load_config(None, base + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"])
+
+
+def test_several_errors_reported_together():
+    msg = error_of(load_config, None, ["correction.gamma=-1", "training.lr=-1", "nope.x=1"])
+    assert msg.count("\n  ") >= 3
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    assert "not found" in error_of(load_config, tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert "not valid YAML" in error_of(load_config, bad)
+    notmap = tmp_path / "list.yaml"
+    notmap.write_text("- 1\n")
+    assert "mapping" in error_of(load_config, notmap)
+    assert "section.key=value" in error_of(parse_overrides, ["gamma"])
+
+
+def test_check_paths(tmp_path):
+    cfg = load_config(None, ["task.name=gsm8k", f"task.data_path={tmp_path}/none.jsonl"])
+    assert "task.data_path" in error_of(cfg.check_paths)
+    (tmp_path / "ok.jsonl").write_text("{}\n")
+    load_config(None, ["task.name=gsm8k", f"task.data_path={tmp_path}/ok.jsonl"]).check_paths()
+
+
+def test_sections_are_frozen_and_validate_on_construction():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().model.hidden_size = 3  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="gamma"):
+        CorrectionConfig(gamma=-1.0)
+    assert ParallelConfig(tp=2).data_parallel_size(8) == 4
+    with pytest.raises(ConfigError):
+        ParallelConfig(tp=3).data_parallel_size(8)
+
+
+def test_every_field_has_a_docstring():
+    def walk(cls):
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no attribute docstring"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name])
+
+    walk(Config)
+
+
+def test_explain_cli_lists_every_field():
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_acrl.config", "--explain"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "\n".join(explain()).strip()
+    for key in ("correction.gamma", "parallel.tp", "algorithm.loss_agg", "rollout.quantization"):
+        assert key in out
+    assert "control strength" in out
+
+
+def test_cli_reports_errors_with_exit_code_2():
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_acrl.config",
+            str(ROOT / "configs/tiny_dense.yaml"),
+            "correction.gama=1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2 and "did you mean 'correction.gamma'" in res.stderr
