@@ -267,6 +267,14 @@ class RolloutConfig(_Section):
     base_port: int = 30000
     """Port of the first server; server k listens on base_port + k."""
 
+    server_urls: tuple[str, ...] = ()
+    """URLs of SGLang servers already running (multi-node launch scripts start them on their own
+    nodes); empty means the driver starts num_servers local servers itself."""
+
+    api_key_env: str | None = None
+    """Name of the environment variable holding the servers' API key (a per-job secret the launch
+    script generates for servers bound beyond loopback); None sends no key."""
+
     n_samples_per_prompt: int = 4
     """Samples per prompt (the GRPO group size)."""
 
@@ -327,6 +335,13 @@ class RolloutConfig(_Section):
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         _check(e, all(b >= 1 for b in self.fp8_block_size), "fp8_block_size", "both entries must be >= 1")
         _check(e, 1 <= self.base_port <= 65535 - self.num_servers, "base_port", "must be a valid TCP port")
+        for i, url in enumerate(self.server_urls):
+            _check(
+                e,
+                url.startswith(("http://", "https://")),
+                f"server_urls[{i}]",
+                f"must be an http(s) URL like http://node1:30000, got {url!r}",
+            )
         return e
 
 
@@ -598,8 +613,9 @@ class TrainingConfig(_Section):
 
 @dataclass(frozen=True)
 class TaskConfig(_Section):
-    name: str = "addition"
-    """Task with a verifiable reward: a synthetic task name or gsm8k (JSONL at data_path)."""
+    name: Literal["addition", "counting", "sorting", "gsm8k"] = "addition"
+    """Task with a verifiable reward: a synthetic task (addition, counting, sorting) or gsm8k (JSONL at
+    data_path)."""
 
     data_path: str | None = None
     """JSONL file for file-backed tasks (gsm8k format: question, answer)."""

@@ -1,0 +1,232 @@
+"""Run monitoring: Weights & Biases (offline in tests and CI), a metrics JSONL file, and the console.
+
+Only the driver's rank 0 logs. Every step's metrics go to all sinks; W&B additionally gets
+histograms (per-token log-ratio) and sample tables. ``metrics.jsonl`` in the run directory is the
+plain-text twin of the W&B history that the study's plots and people without W&B read.
+
+Offline W&B runs are read back with :func:`read_wandb_history` (the ``.wandb`` file is a
+LevelDB-log framed stream of ``wandb.proto`` records), which is what the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megatron_acrl.config import LoggingConfig
+
+# Keys shown on the console line, in this order, when present.
+CONSOLE_KEYS = (
+    ("reward/mean", "reward"),
+    ("eval/accuracy", "eval_acc"),
+    ("mismatch/k3_kl", "k3"),
+    ("mismatch/log_ppl_abs_diff", "lppl"),
+    ("acrl/y_over_x", "Y/X"),
+    ("loss/entropy", "ent"),
+    ("time/step", "s/step"),
+)
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalar: nan/inf become strings so the JSONL stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class RunLogger:
+    """Logs metrics to W&B, ``<run_dir>/metrics.jsonl`` and the console.
+
+    Args:
+        cfg: logging settings.
+        run_dir: directory of this run (metrics.jsonl lives here; W&B files under cfg.wandb_dir).
+        config: the resolved run config (plain dict), stored with the W&B run.
+        resume_id: W&B run id to continue after a restart (from the checkpoint), or None.
+        enabled: False on every rank but the driver's.
+    """
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: str | Path,
+        config: dict | None = None,
+        resume_id: str | None = None,
+        enabled: bool = True,
+    ):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._wandb = None
+        self.run_id: str | None = resume_id
+        self._t0 = time.time()
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        if cfg.wandb_mode != "disabled":
+            import wandb
+
+            wandb_dir = Path(cfg.wandb_dir)
+            if not wandb_dir.is_absolute():
+                wandb_dir = self.run_dir / wandb_dir
+            wandb_dir.mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=cfg.run_name,
+                dir=str(wandb_dir),
+                mode=cfg.wandb_mode,
+                config=config or {},
+                id=resume_id,
+                resume="allow" if resume_id else None,
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
+            self.run_id = self._wandb.id
+            self.wandb_dir = wandb_dir
+
+    def log(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        histograms: dict[str, Any] | None = None,
+        table: tuple[list[str], list[list[Any]]] | None = None,
+    ) -> None:
+        """Log one step.
+
+        Args:
+            step: RL step (x axis everywhere).
+            metrics: scalar metrics.
+            histograms: name -> 1-D array-like of samples (e.g. per-token log-ratio).
+            table: (columns, rows) of sample completions.
+        """
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(float(v)) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            import numpy as np
+            import wandb
+
+            data: dict[str, Any] = dict(metrics)
+            for name, values in (histograms or {}).items():
+                arr = np.asarray(values, dtype=np.float64).ravel()
+                arr = arr[np.isfinite(arr)]
+                if arr.size:
+                    data[name] = wandb.Histogram(arr, num_bins=64)
+            if table is not None:
+                data["samples"] = wandb.Table(columns=table[0], data=table[1])
+            self._wandb.log(data, step=step)
+        if self.cfg.console and step % self.cfg.log_interval == 0:
+            parts = [f"step {step:>5d}"]
+            for key, short in CONSOLE_KEYS:
+                if key in metrics:
+                    parts.append(f"{short} {metrics[key]:.4g}")
+            print(" | ".join(parts), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+            # wandb.finish() can return before the offline writer has flushed the run file; wait
+            # for its closing record so whoever reads the run next sees every step.
+            wait_for_wandb_exit(self.wandb_dir, self.run_id)
+
+
+def wait_for_wandb_exit(wandb_dir: str | Path, run_id: str | None, timeout_s: float = 60.0) -> bool:
+    """Poll until the offline run file of ``run_id`` holds its ``exit`` record; False on timeout."""
+    deadline = time.time() + timeout_s
+    pattern = f"run-{run_id}.wandb" if run_id else "run-*.wandb"
+    while time.time() < deadline:
+        for path in Path(wandb_dir).rglob(pattern):
+            try:
+                if any(r.WhichOneof("record_type") == "exit" for r in _iter_wandb_records(path)):
+                    return True
+            except Exception:  # noqa: BLE001 - a half-written file; try again
+                pass
+        time.sleep(0.2)
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading runs back
+# ----------------------------------------------------------------------------------------------
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl`` (one dict per logged step)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def find_wandb_file(wandb_dir: str | Path) -> Path:
+    """The newest ``run-*.wandb`` file below ``wandb_dir``."""
+    files = sorted(Path(wandb_dir).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no offline W&B run (run-*.wandb) below {wandb_dir}")
+    return files[-1]
+
+
+_BLOCK = 32768
+_HEADER = 7  # b":W&B" + uint16 magic + uint8 version
+
+
+def _iter_wandb_records(path: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B run file")
+    pos, pending = _HEADER, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - (pos % _BLOCK)
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, rtype = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        chunk = data[pos : pos + length]
+        pos += length
+        if rtype == 0 and length == 0:
+            continue
+        if rtype == 1:  # FULL
+            payload = chunk
+        elif rtype == 2:  # FIRST
+            pending = chunk
+            continue
+        elif rtype == 3:  # MIDDLE
+            pending += chunk
+            continue
+        elif rtype == 4:  # LAST
+            payload, pending = pending + chunk, b""
+        else:
+            raise ValueError(f"{path}: bad record type {rtype} at byte {pos}")
+        rec = pb.Record()
+        rec.ParseFromString(payload)
+        yield rec
+
+
+def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
+    """History rows of an offline W&B run (a ``run-*.wandb`` file or a directory holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = find_wandb_file(p)
+    rows = []
+    for rec in _iter_wandb_records(p):
+        if rec.WhichOneof("record_type") == "history":
+            rows.append(
+                {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
+            )
+    return rows
