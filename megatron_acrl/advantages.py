@@ -6,6 +6,9 @@ inputs ``[N, T]`` with a response mask.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -109,3 +112,43 @@ def overlong_penalty(response_len: Tensor, *, max_len: int, buffer_len: int, pen
     start = max_len - buffer_len
     excess = (response_len.float() - start).clamp(0, buffer_len)
     return -penalty * excess / buffer_len
+
+
+def compute_advantages(tb: dict[str, Tensor], cfg: Any) -> tuple[Tensor, dict[str, float]]:
+    """Token advantages ``[N, L]`` of a rollout batch for ``cfg.algorithm`` (GRPO family).
+
+    Args:
+        tb: the train batch (``rewards [N]``, ``group_ids [N]``, ``loss_mask [N, L]``).
+    """
+    a = cfg.algorithm
+    if a.name == "ppo":
+        raise NotImplementedError("algorithm.name=ppo needs the critic; compute GAE with advantages.gae")
+    norm_std = a.grpo_norm_std and a.name != "dr_grpo"
+    seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=norm_std)
+    adv = token_advantages(seq, tb["loss_mask"])
+    keep = dynamic_sampling_keep(tb["rewards"], tb["group_ids"])
+    return adv, {
+        "advantages/mean": float(seq.mean()),
+        "advantages/abs_mean": float(seq.abs().mean()),
+        "advantages/zero_groups_frac": float((~keep).float().mean()),
+    }
+
+
+def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str, Tensor]]:
+    """PPO epochs x minibatches over a train batch; each epoch reshuffles whole groups.
+
+    With one epoch and one minibatch this yields the batch itself (the GRPO default: one optimizer
+    step per rollout batch, strictly on-policy w.r.t. pi_old).
+    """
+    a = cfg.algorithm
+    n = tb["tokens"].shape[0]
+    if a.ppo_epochs == 1 and a.num_minibatches == 1:
+        yield tb
+        return
+    size = n // a.num_minibatches
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(a.ppo_epochs):
+        order = torch.randperm(n, generator=g)
+        for k in range(a.num_minibatches):
+            idx = order[k * size : (k + 1) * size]
+            yield {key: (v[idx] if v.dim() >= 1 and v.shape[0] == n else v) for key, v in tb.items()}

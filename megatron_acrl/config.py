@@ -594,6 +594,16 @@ class TrainingConfig(_Section):
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory)."""
 
+    sft_steps: int = 0
+    """Supervised warm-start steps on the task's reference answers before RL (0 skips it). The
+    result is cached by config, so every arm of a study starts from the same policy."""
+
+    sft_lr: float = 1e-3
+    """Learning rate of the supervised warm-start."""
+
+    sft_batch_size: int = 32
+    """Sequences per supervised warm-start step."""
+
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
         _check(e, self.num_steps >= 0, "num_steps", "must be >= 0")
@@ -608,6 +618,9 @@ class TrainingConfig(_Section):
         _check(e, self.save_interval >= 0, "save_interval", "must be >= 0")
         _check(e, self.eval_interval >= 0, "eval_interval", "must be >= 0")
         _check(e, self.logprob_chunk_size >= 1, "logprob_chunk_size", "must be >= 1")
+        _check(e, self.sft_steps >= 0, "sft_steps", "must be >= 0 (0 skips the warm-start)")
+        _check(e, self.sft_lr > 0, "sft_lr", "must be > 0")
+        _check(e, self.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
         return e
 
 
@@ -853,6 +866,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         raise bad
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-3" (no dot) as a string; accept what float() accepts.
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, int | float) and not isinstance(value, bool):
             if not math.isfinite(float(value)):
                 raise ConfigError([(path, f"must be finite, got {value!r}")])

@@ -231,3 +231,22 @@ def rl_loss(
             mismatch_metrics(None, None, None, num_tokens=num_tokens, num_seqs=num_seqs, shared=shared)
         )
     return loss, metrics
+
+
+def sft_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    num_tokens: int | Tensor,
+    **_: object,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised warm-start: token-mean negative log-likelihood of the masked (answer) tokens.
+
+    Same signature as :func:`rl_loss` so the Megatron adapter can run it; the RL-only inputs are
+    ignored. Returns ``(partial loss, {"sft/nll": partial})`` with ``num_tokens`` as denominator.
+    """
+    nll = aggregate(-logprobs, loss_mask, "token-mean", num_tokens=num_tokens, num_seqs=1)
+    return nll, {"sft/nll": nll.detach()}

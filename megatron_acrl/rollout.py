@@ -273,3 +273,177 @@ def load_rollouts(directory: str | Path, step: int) -> RolloutBatch:
             f"{have[:3]}{'...' if len(have) > 3 else ''})"
         )
     return RolloutBatch.load(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver's rollout phase (generate -> reward), evaluation and logging extras
+# ----------------------------------------------------------------------------------------------
+
+
+def _generate_batch(ctx: Any, prompts: list[Prompt], step: int, first_group: int) -> RolloutBatch:
+    """Rank 0: sample ``n`` completions of each prompt and score them."""
+    cfg = ctx.cfg
+    ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
+    # Seeds depend only on (seed, step, group): a resumed run samples exactly what it would have.
+    params = ctx.engine.sampling_params(
+        seed=(cfg.training.seed * 1_000_003 + step * 10_007 + first_group) % 2**31
+    )
+    groups = ctx.engine.generate(ids, cfg.rollout.n_samples_per_prompt, params)
+    return score_groups(
+        ctx.task,
+        ctx.tokenizer,
+        prompts,
+        ids,
+        groups,
+        pad_id=ctx.pad_id,
+        eos_id=ctx.eos_id,
+        first_group_id=first_group,
+    )
+
+
+def _rank0_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
+
+    cfg = ctx.cfg
+    r, a = cfg.rollout, cfg.algorithm
+    if ctx.args.load_rollouts:
+        batch = load_rollouts(ctx.args.load_rollouts, step)
+        return batch, {"rollout/replayed": 1.0}
+    need = r.prompts_per_step
+    kept: list[RolloutBatch] = []
+    spare: list[RolloutBatch] = []  # groups dropped by dynamic sampling, used if refills run dry
+    n_kept = rounds = 0
+    while n_kept < need:
+        prompts = [next(ctx.prompt_stream) for _ in range(need - n_kept)]
+        state.prompts_consumed += len(prompts)
+        b = _generate_batch(ctx, prompts, step, first_group=step * 1_000_000 + rounds * 10_000)
+        if a.overlong_buffer_len:
+            b.rewards = b.rewards + overlong_penalty(
+                b.response_len,
+                max_len=r.max_new_tokens,
+                buffer_len=a.overlong_buffer_len,
+                penalty=a.overlong_penalty,
+            )
+        if a.dynamic_sampling and rounds < a.max_refill_rounds:
+            keep = dynamic_sampling_keep(b.rewards, b.group_ids)
+            spare.append(b.select(torch.nonzero(~keep).flatten()))
+            b = b.select(torch.nonzero(keep).flatten())
+        kept.append(b)
+        n_kept += len(b) // r.n_samples_per_prompt
+        rounds += 1
+        if a.dynamic_sampling and rounds >= a.max_refill_rounds and n_kept < need:
+            # Out of refills: top up with constant-reward groups (zero advantage, no gradient).
+            filler = RolloutBatch.concat(spare, ctx.pad_id) if spare else None
+            if filler is not None and len(filler):
+                take = min(len(filler), (need - n_kept) * r.n_samples_per_prompt)
+                kept.append(filler.select(list(range(take))))
+                n_kept += take // r.n_samples_per_prompt
+            if n_kept < need:
+                continue  # generate the rest without filtering
+    batch = RolloutBatch.concat(kept, ctx.pad_id) if len(kept) > 1 else kept[0]
+    metrics = {"rollout/refill_rounds": float(rounds - 1)}
+    if ctx.args.save_rollouts:
+        save_rollouts(batch, ctx.args.save_rollouts, step)
+    return batch, metrics
+
+
+def collect_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate and reward one rollout batch on rank 0 and broadcast it to every rank.
+
+    A server that dies mid-generation is restarted, the current weights re-sent, and the step
+    retried with the same prompts; nothing is lost and nothing is trained twice.
+    """
+    from megatron_acrl.runtime import broadcast_object
+
+    for attempt in range(3):
+        status: tuple[str, Any]
+        if ctx.rank == 0:
+            consumed = state.prompts_consumed
+            try:
+                status = ("ok", _rank0_rollouts(ctx, state, step))
+            except Exception as e:  # noqa: BLE001 - decided below, on every rank
+                from sglang_bridge.client import ServerGoneError
+
+                gone = isinstance(e, ServerGoneError) or (
+                    ctx.engine is not None and ctx.engine.dead_servers()
+                )
+                if not gone or attempt == 2:
+                    status = ("error", f"{type(e).__name__}: {e}")
+                else:
+                    state.prompts_consumed = consumed
+                    ctx.prompt_stream = _rewind(ctx, consumed)
+                    ctx.engine.restart()
+                    status = ("retry", f"{type(e).__name__}: {e}")
+        else:
+            status = ("", None)
+        status = broadcast_object(status)
+        if status[0] == "ok":
+            batch, metrics = status[1]
+            metrics.update(rollout_metrics(batch))
+            if ctx.engine is not None:
+                metrics["rollout/server_restarts"] = float(ctx.engine.restarts)
+            return batch, metrics
+        if status[0] == "error":
+            raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
+        from megatron_acrl.runtime import log0
+
+        log0(f"step {step}: rollout server failed ({status[1]}); restarted, re-sending weights and retrying")
+        ctx.sync_weights(state.weight_version)
+    raise RuntimeError("unreachable")
+
+
+def _rewind(ctx: Any, consumed: int) -> Any:
+    """A fresh prompt stream positioned after ``consumed`` prompts (same order as before)."""
+    import itertools
+
+    stream = ctx.task.train_prompts(seed=ctx.cfg.training.seed)
+    if consumed:
+        next(itertools.islice(stream, consumed - 1, consumed), None)
+    return stream
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    lens = batch.response_len.float()
+    finish = batch.finish_reasons or []
+    return {
+        "reward/mean": float(batch.rewards.mean()) if len(batch) else 0.0,
+        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+        "response_length/mean": float(lens.mean()) if len(batch) else 0.0,
+        "response_length/max": float(lens.max()) if len(batch) else 0.0,
+        "rollout/finish_length_frac": sum(f == "length" for f in finish) / max(len(finish), 1),
+        "rollout/nonfinite_logprobs": float(batch.num_nonfinite_logprobs),
+        "rollout/num_sequences": float(len(batch)),
+    }
+
+
+def evaluate(ctx: Any, step: int) -> dict[str, float]:
+    """Greedy accuracy and mean response length on the held-out split (rank 0; {} elsewhere)."""
+    if ctx.rank != 0 or ctx.engine is None:
+        return {}
+    cfg = ctx.cfg
+    prompts = ctx.task.eval_prompts(cfg.task.eval_size)
+    if not prompts:
+        return {}
+    ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
+    groups = ctx.engine.generate(ids, 1, ctx.engine.sampling_params(greedy=True))
+    b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
+    return {
+        "eval/accuracy": float(b.rewards.mean()),
+        "eval/response_length": float(b.response_len.float().mean()),
+    }
+
+
+def log_extras(cfg: Any, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:
+    """Histogram of per-token log(pi_old / mu) and, every N steps, a table of sample completions."""
+    mask = tb["loss_mask"] > 0
+    out: dict[str, Any] = {
+        "histograms": {"mismatch/log_ratio_hist": (tb["old_logprobs"] - tb["rollout_logprobs"])[mask].numpy()}
+    }
+    n = cfg.logging.sample_table_interval
+    if n and step % n == 0 and batch.prompts:
+        rows = [
+            [batch.prompts[i], batch.completions[i], float(batch.rewards[i])]
+            for i in range(min(8, len(batch)))
+        ]
+        out["table"] = (["prompt", "completion", "reward"], rows)
+    return out

@@ -1,0 +1,178 @@
+"""Fused vocab-parallel log-prob vs the naive path, same run, same inputs.
+
+    .venv/bin/python benchmarks/logprob.py [--tokens 2048] [--vocab 32000] [--tp 1] [--chunk 64]
+
+naive: gather the full logits over TP, cast to float32, log_softmax, gather the targets.
+fused: ``megatron_acrl.megatron.logprobs.vocab_parallel_logprobs`` (chunked, TP all-reduces).
+
+Both run forward + backward (gradient w.r.t. the bf16 logits shard) on every TP rank (gloo
+processes). Peak *extra* memory is measured per path in a fresh process: on CPU as the peak
+resident set size (VmHWM, reset once the inputs exist and both paths are warmed up) minus the
+resident size at that point (large tensors are mmap-backed, so freed memory leaves the RSS); on GPU with ``torch.cuda.max_memory_allocated``.
+Ratios are rank 0's. The last two lines are ``memory ratio: <fused peak extra / logits shard bytes>``
+and ``time ratio: <fused / naive>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's resident-set high-water mark (VmHWM) of this process (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # fall back to the process-lifetime peak
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    gpu = torch.cuda.is_available()
+    if args.tp > 1:
+        dist.init_process_group("nccl" if gpu else "gloo")
+    rank = dist.get_rank() if args.tp > 1 else 0
+    group = dist.group.WORLD if args.tp > 1 else None
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    g = torch.Generator(device=device).manual_seed(1 + rank)
+    v_local = args.vocab // args.tp
+    shard = torch.empty(args.tokens, v_local, dtype=torch.bfloat16, device=device)
+    for lo in range(0, args.tokens, 64):  # no full-size float32 temporary before the baseline
+        rows = shard[lo : lo + 64]
+        rows.copy_(torch.randn(rows.shape, generator=g, device=device) * 3)
+    target = torch.randint(0, args.vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).to(device)
+    upstream = torch.randn(args.tokens, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def naive() -> torch.Tensor:
+        leaf = shard.detach().requires_grad_(True)
+        full = leaf
+        if args.tp > 1:  # all-gather with autograd: each rank keeps the gradient of its own shard
+            from torch.distributed.nn.functional import all_gather
+
+            full = torch.cat(all_gather(leaf, group=group), dim=-1)
+        lp = torch.log_softmax(full.float(), dim=-1).gather(-1, target[:, None]).squeeze(-1)
+        (lp * upstream).sum().backward()
+        return lp.detach()
+
+    def fused() -> torch.Tensor:
+        leaf = shard.detach().requires_grad_(True)
+        lp, _ = vocab_parallel_logprobs(leaf, target, tp_group=group, chunk_size=args.chunk)
+        (lp * upstream).sum().backward()
+        return lp.detach()
+
+    fn = {"naive": naive, "fused": fused}[args.path]
+    small = shard[:8].detach().requires_grad_(True)  # warm-up: lazy init outside the measurement
+    vocab_parallel_logprobs(small, target[:8] % v_local, tp_group=None)[0].sum().backward()
+    torch.log_softmax(small.float(), -1).sum().backward()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_bytes()
+        _reset_peak_rss()
+    result = fn()
+    if gpu:
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        extra = _peak_rss_bytes() - base
+    times = []
+    for _ in range(args.reps):
+        if args.tp > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(json.dumps({
+            "extra_bytes": extra,
+            "shard_bytes": shard.numel() * shard.element_size(),
+            "seconds": statistics.median(times),
+            "checksum": float(result.double().sum()),
+        }))
+    if args.tp > 1:
+        dist.destroy_process_group()
+
+
+def _measure(path: str, args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(args.tp):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.tp), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
+        cmd = [sys.executable, __file__, "--worker", "--path", path, "--tokens", str(args.tokens), "--vocab",
+               str(args.vocab), "--tp", str(args.tp), "--chunk", str(args.chunk), "--reps", str(args.reps)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{path} worker failed")
+    return json.loads(outs[0].strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens (rows of logits) per rank")
+    ap.add_argument("--vocab", type=int, default=32768, help="full vocabulary (split over --tp ranks)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes on CPU)")
+    ap.add_argument("--chunk", type=int, default=64, help="tokens per chunk of the fused path")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--path", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    naive, fused = _measure("naive", args), _measure("fused", args)
+    shard = fused["shard_bytes"]
+    rel = abs(fused["checksum"] - naive["checksum"]) / max(abs(naive["checksum"]), 1e-9)
+    print(f"logits shard: {args.tokens} x {args.vocab // args.tp} bf16 = {shard / 2**20:.1f} MiB, tp={args.tp}, "
+          f"fused chunk={args.chunk} tokens")
+    print(f"naive: peak extra {naive['extra_bytes'] / 2**20:8.1f} MiB ({naive['extra_bytes'] / shard:.2f}x shard), "
+          f"fwd+bwd {naive['seconds'] * 1e3:8.1f} ms")
+    print(f"fused: peak extra {fused['extra_bytes'] / 2**20:8.1f} MiB ({fused['extra_bytes'] / shard:.2f}x shard), "
+          f"fwd+bwd {fused['seconds'] * 1e3:8.1f} ms")
+    print(f"checksum agreement (sum of log-probs): rel diff {rel:.1e}")
+    print(f"memory ratio: {fused['extra_bytes'] / shard:.3f}")
+    print(f"time ratio: {fused['seconds'] / naive['seconds']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

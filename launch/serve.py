@@ -1,0 +1,105 @@
+"""Run one SGLang rollout server in the foreground, as a task of the job script's server step.
+
+    srun --ntasks=4 --ntasks-per-node=2 ... python -m launch.serve run/config.yaml --host 0.0.0.0
+
+Each srun task serves one full copy of the model: its port is ``rollout.base_port + SLURM_LOCALID``
+and its GPUs the ``SLURM_LOCALID``-th slice of ``rollout.server_tp`` devices in the step's
+``CUDA_VISIBLE_DEVICES``. The API key, if any, comes from the environment variable named by
+``rollout.api_key_env`` (the job script generates it per job). The command line and environment
+come from :class:`sglang_bridge.server.ServerSpec` (which carries the CPU stand-ins), and the process
+``exec``s SGLang so that SLURM's signals reach it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from launch.exit_codes import CONFIG_ERROR
+from megatron_acrl.config import Config, ConfigError, load_config
+
+
+@dataclass(frozen=True)
+class ServerSlot:
+    """Where this task's server lives: its index in the job, bind address, port and devices."""
+
+    index: int
+    host: str
+    port: int
+    gpu_ids: tuple[int, ...] | None
+
+
+def server_slot(cfg: Config, host: str, port: int | None = None, env: dict[str, str] | None = None) -> ServerSlot:
+    """Slot of the server run by this srun task (from SLURM_PROCID / SLURM_LOCALID / CUDA_VISIBLE_DEVICES)."""
+    env = dict(os.environ if env is None else env)
+    index = int(env.get("SLURM_PROCID", "0"))
+    local = int(env.get("SLURM_LOCALID", "0"))
+    tp = cfg.rollout.server_tp
+    gpu_ids: tuple[int, ...] | None = None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip().isdigit()]
+    if len(visible) >= (local + 1) * tp:
+        # SLURM gives the step all the node's server GPUs; each server takes its own slice.
+        gpu_ids = tuple(int(d) for d in visible[local * tp : (local + 1) * tp])
+    return ServerSlot(index, host, port if port is not None else cfg.rollout.base_port + local, gpu_ids)
+
+
+def server_command(cfg: Config, slot: ServerSlot, api_key: str | None) -> tuple[list[str], dict[str, str]]:
+    """Command line and environment of the SGLang server for ``slot``."""
+    # Imported here so that `launch.submit` (and its tests) never import the SGLang side.
+    from sglang_bridge.server import ServerSpec
+
+    if cfg.model.hf_path is None:
+        raise ConfigError([("model.hf_path", "a server started by the job script needs an HF checkpoint to serve")])
+    device = cfg.rollout.device
+    if device == "auto":
+        device = "cuda" if slot.gpu_ids or os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    # FP8 rollouts: the GPU server quantizes online and the trainer's weight sync sends FP8 buckets; on
+    # CPU FP8 serving does not exist (shared/docs/research/sglang.md), the bridge fake-quantizes instead.
+    quant = "fp8" if cfg.rollout.quantization != "none" and device == "cuda" else None
+    spec = ServerSpec(
+        model_path=cfg.model.hf_path,
+        device=device,
+        host=slot.host,
+        port=slot.port,
+        tp=cfg.rollout.server_tp,
+        gpu_ids=slot.gpu_ids,
+        quantization=quant,
+        api_key=api_key,
+        random_seed=cfg.training.seed + slot.index,
+    )
+    env = dict(os.environ)
+    env.update(spec.env())
+    return spec.command(slot.port), env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m launch.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("config", help="resolved config written by launch.submit")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for multi-node jobs)")
+    ap.add_argument("--port", type=int, default=None, help="port; default rollout.base_port + SLURM_LOCALID")
+    ap.add_argument("--print", action="store_true", help="print the command instead of running it")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        slot = server_slot(cfg, args.host, args.port)
+        key_env = cfg.rollout.api_key_env
+        api_key = os.environ.get(key_env) if key_env else None
+        if key_env and not api_key:
+            raise ConfigError([("rollout.api_key_env", f"environment variable {key_env} is not set")])
+        cmd, env = server_command(cfg, slot, api_key)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return CONFIG_ERROR
+    shown = ["<api-key>" if i and cmd[i - 1] == "--api-key" else c for i, c in enumerate(cmd)]
+    print(f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(shown)}", flush=True)
+    if args.print:
+        return 0
+    os.execvpe(cmd[0], cmd, env)
+    return 1  # pragma: no cover - exec does not return
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

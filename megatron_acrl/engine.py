@@ -1,0 +1,214 @@
+"""The driver's handle on the rollout side: SGLang servers, generation and weight sync (rank 0 only).
+
+On a single node the engine starts ``rollout.num_servers`` local SGLang servers from the served
+model directory; multi-node launch scripts start servers on their own nodes and pass
+``rollout.server_urls``. Weights go through :class:`sglang_bridge.weight_sync.DistributedWeightSynchronizer`:
+FP8 is real (e4m3 + scales) on GPU servers and *fake-quant* (FP8 rounding served in bf16) on CPU
+servers, which cannot run FP8 kernels; the mode is reported in every sync's metrics.
+
+A server that dies is restarted from the served model directory and the group reconnected; the
+driver then re-sends the current weights and retries the step (:meth:`RolloutEngine.restart`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_acrl.config import Config
+from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
+from sglang_bridge.fp8 import Fp8Scheme
+from sglang_bridge.server import SGLangServer, ServerSpec
+from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
+
+GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
+
+
+def fp8_scheme(cfg: Config) -> Fp8Scheme | None:
+    """The rollout quantization of ``cfg`` (None for BF16 rollout)."""
+    q = cfg.rollout.quantization
+    if q == "none":
+        return None
+    return Fp8Scheme(
+        granularity=GRANULARITY[q],
+        block_size=tuple(cfg.rollout.fp8_block_size),  # type: ignore[arg-type]
+        ue8m0=cfg.rollout.fp8_scale_ue8m0,
+    )
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.rollout.device != "auto":
+        return cfg.rollout.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class RolloutEngine:
+    """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0.
+
+    Args:
+        cfg: run config.
+        model_dir: HF directory the servers serve initially (and restart from).
+        log_dir: where server logs go.
+    """
+
+    def __init__(self, cfg: Config, model_dir: str | Path, log_dir: str | Path):
+        self.cfg = cfg
+        self.model_dir = str(model_dir)
+        self.log_dir = Path(log_dir)
+        self.device = resolve_device(cfg)
+        r = cfg.rollout
+        self.api_key = os.environ.get(r.api_key_env) if r.api_key_env else None
+        if r.api_key_env and not self.api_key:
+            raise RuntimeError(
+                f"rollout.api_key_env={r.api_key_env!r} but that environment variable is not set"
+            )
+        self.servers: list[SGLangServer] = []
+        self.restarts = 0
+        if r.server_urls:
+            self.urls = list(r.server_urls)
+        else:
+            self.servers = [self._server(i) for i in range(r.num_servers)]
+            for s in self.servers:
+                s.launch()
+            for s in self.servers:
+                s.wait_healthy()
+            self.urls = [s.url for s in self.servers]
+        self.scheme = fp8_scheme(cfg)
+        self.fp8_mode = "real" if self.device == "cuda" else "fake"
+        self.sync: DistributedWeightSynchronizer | None = None
+        self._connect()
+
+    def _server(self, i: int) -> SGLangServer:
+        r = self.cfg.rollout
+        spec = ServerSpec(
+            model_path=self.model_dir,
+            device=self.device,  # type: ignore[arg-type]
+            host=r.host,
+            port=r.base_port + i if r.base_port else None,
+            tp=r.server_tp,
+            api_key=self.api_key,
+            random_seed=self.cfg.training.seed + i,
+            # Real FP8 on a GPU: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
+            quantization="fp8" if self.device == "cuda" and r.quantization != "none" else None,
+        )
+        return SGLangServer(
+            spec, self.log_dir / f"sglang_{i}.log", startup_timeout_s=r.startup_timeout_s, name=f"sglang[{i}]"
+        )
+
+    def _connect(self) -> None:
+        r = self.cfg.rollout
+        self.sync = DistributedWeightSynchronizer(
+            self.urls,
+            Manifest.from_checkpoint(self.model_dir),
+            server_tp=r.server_tp,
+            api_key=self.api_key,
+            device="cuda" if self.device == "cuda" else "cpu",
+            bucket_size_mb=r.bucket_size_mb,
+            fp8=self.scheme,
+            fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
+            timeout_s=r.request_timeout_s,
+        )
+        self.sync.connect()
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def sampling_params(self, *, greedy: bool = False, seed: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            temperature=0.0 if greedy else r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            seed=seed,
+        )
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Any]]:
+        """``n`` samples per prompt over all servers; raises :class:`ServerGoneError` if one died."""
+        from megatron_acrl.rollout import generate_groups
+
+        async def run() -> list[list[Any]]:
+            clients = [
+                SGLangClient(
+                    u,
+                    api_key=self.api_key,
+                    timeout_s=self.cfg.rollout.request_timeout_s,
+                    max_concurrency=self.cfg.rollout.max_concurrency,
+                )
+                for u in self.urls
+            ]
+            try:
+                return await generate_groups(clients, prompt_ids, params, n)
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+
+        return asyncio.run(run())
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
+    ) -> dict[str, float]:
+        """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode)."""
+        assert self.sync is not None
+        served = self.sync.manifest.tensors
+
+        def to_served(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            # The trainer may hold fp32 masters (fp32 runs); the server holds its --dtype. Casting
+            # here is explicit and per tensor; names and shapes are still validated by the bridge.
+            for name, t in stream:
+                spec = served.get(name)
+                if spec is not None and t.is_floating_point() and t.dtype != spec.dtype:
+                    t = t.to(spec.dtype)
+                yield name, t
+
+        report = self.sync.sync(to_served(named_tensors), version)
+        return {
+            "sync/seconds": report.seconds,
+            "sync/bytes": float(report.num_bytes),
+            "sync/tensors": float(report.num_tensors),
+            "sync/buckets": float(report.num_buckets),
+            # fp8 mode of the rollout copy: 0 none (BF16 rollout), 1 real FP8, 2 fake-quant on a bf16 server
+            "sync/fp8_mode": {"none": 0.0, "real": 1.0, "fake-quant": 2.0}[report.fp8],
+        }
+
+    # -- failures ----------------------------------------------------------------------------------
+
+    def dead_servers(self) -> list[int]:
+        return [i for i, s in enumerate(self.servers) if not s.alive()]
+
+    def restart(self) -> None:
+        """Restart dead local servers and reconnect the update group (weights must be re-sent)."""
+        if not self.servers:
+            raise ServerGoneError(
+                f"an external SGLang server ({', '.join(self.urls)}) is gone; the launch script restarts those"
+            )
+        if self.sync is not None:
+            try:
+                self.sync.close()
+            except Exception:  # noqa: BLE001 - the peer is gone; the group is torn down either way
+                pass
+        for i in self.dead_servers() or range(len(self.servers)):
+            self.servers[i].stop()
+            self.servers[i] = self._server(i)
+            self.servers[i].start()
+        self.urls = [s.url for s in self.servers]
+        self.restarts += 1
+        self._connect()
+
+    def close(self) -> None:
+        if self.sync is not None:
+            try:
+                self.sync.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+            self.sync = None
+        for s in self.servers:
+            s.stop()
+        self.servers = []

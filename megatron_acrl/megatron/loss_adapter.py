@@ -1,0 +1,174 @@
+"""The one adapter between Megatron's pipeline schedule and the pure loss (``megatron_acrl.losses``).
+
+Megatron's contract (megatron-core 0.16, ``pipeline_parallel/schedules.py:forward_step_calc_loss``):
+the last pipeline stage calls ``loss_func(output_tensor)``, which returns
+``(loss, num_tokens, metrics)``; with ``config.calculate_per_token_loss=False`` the schedule then does
+``loss /= clamp(num_tokens, 1); loss /= num_microbatches`` before backward, and DDP multiplies every
+gradient by ``1 / dp_size`` while reducing (``average_in_collective=False``;
+``distributed_data_parallel.py:281-288``, also for expert parameters).
+
+The pure loss is different: it is already divided by the *global* denominators of the optimizer
+step, so the sum over micro-batches and DP ranks is the full-batch loss. This adapter cancels
+Megatron's three divisions exactly::
+
+    returned_loss = loss * max(num_tokens_local, 1) * num_microbatches * dp_size
+
+so gradients do not depend on micro-batching, DP size or PP size (proved by
+``tests/test_megatron_layouts.py``). We keep ``calculate_per_token_loss=False`` on purpose: with it
+the MoE auxiliary loss would be scaled by 1 per micro-batch and summed over DP (its scale is set by
+the schedule, ``schedules.py:289-292``), i.e. it would grow with the number of micro-batches; in the
+chosen mode Megatron averages it over micro-batches and DP ranks, which is its documented meaning.
+
+Log-probs come from :func:`megatron_acrl.megatron.logprobs.vocab_parallel_logprobs`, aligned to the
+batch contract: position t holds log p(token t | tokens < t); position 0 holds 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
+from megatron_acrl.correction import AcrlSignal
+from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
+
+__all__ = ["LossAdapter", "LossFn", "MicroBatch"]
+
+MicroBatch = dict[str, torch.Tensor]
+"""One micro-batch: ``tokens [b, T]`` int64 and, for training, ``loss_mask``, ``old_logprobs``,
+``rollout_logprobs``, ``advantages`` (and optionally ``ref_logprobs``), all ``[b, T]``."""
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""Signature of ``megatron_acrl.losses.rl_loss``."""
+
+
+class LossAdapter:
+    """Turns vocab-parallel logits of one micro-batch into Megatron's (loss, num_tokens, metrics).
+
+    Args:
+        algorithm / correction: passed through to the loss function.
+        tp_group: tensor-parallel group of this rank (the logits are vocab-parallel over it).
+        vocab_size: real vocabulary size (Megatron's padding rows are excluded from the softmax).
+        temperature: rollout sampling temperature (log-probs are of ``softmax(logits / T)``).
+        chunk_size: tokens per chunk of the fused log-prob.
+        norm_len: constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO); None uses the config.
+        entropy: compute token entropies (needed for ``entropy_coef`` > 0; also logged).
+        loss_fn: the pure loss; default ``megatron_acrl.losses.rl_loss``.
+    """
+
+    def __init__(
+        self,
+        *,
+        algorithm: AlgorithmConfig,
+        correction: CorrectionConfig,
+        tp_group: dist.ProcessGroup | None,
+        vocab_size: int,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        norm_len: int | None = None,
+        entropy: bool = True,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        if loss_fn is None:
+            from megatron_acrl.losses import rl_loss
+
+            loss_fn = rl_loss
+        self.algorithm = algorithm
+        self.correction = correction
+        self.tp_group = tp_group
+        self.vocab_size = vocab_size
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        self.norm_len = norm_len
+        self.entropy = entropy or algorithm.entropy_coef > 0
+        self.loss_fn = loss_fn
+
+    def token_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Aligned per-token log-probs (and entropies) of ``tokens`` under ``logits``.
+
+        Args:
+            logits: ``[b, T, V_local]`` vocab-parallel logits (Megatron's GPTModel output).
+            tokens: ``[b, T]`` int64.
+        Returns:
+            ``logprobs [b, T]`` float32 with ``[:, t] = log p(tokens[:, t] | tokens[:, :t])`` and 0 at
+            t = 0; ``entropy [b, T]`` likewise aligned (entropy of the distribution that predicted
+            token t) or None.
+        """
+        # Score every position against the *next* token (the last one against a dummy id 0)
+        # instead of slicing logits[:, :-1]: the slice of a [b, T, V] tensor is not contiguous and
+        # flattening it would copy the whole logits tensor.
+        nxt = torch.roll(tokens, shifts=-1, dims=1)
+        lp, ent = vocab_parallel_logprobs(
+            logits,
+            nxt,
+            tp_group=self.tp_group,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            with_entropy=with_entropy,
+        )
+        zero = lp.new_zeros(lp.shape[0], 1)
+        lp = torch.cat([zero, lp[:, :-1]], dim=1)
+        if ent is not None:
+            ent = torch.cat([zero, ent[:, :-1]], dim=1)
+        return lp, ent
+
+    def train_loss_func(
+        self,
+        micro: MicroBatch,
+        *,
+        acrl: AcrlSignal | None,
+        num_tokens: torch.Tensor,
+        num_seqs: torch.Tensor,
+        num_microbatches: int,
+        dp_size: int,
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """The ``loss_func`` Megatron's schedule calls on the last stage for ``micro``.
+
+        Args:
+            micro: this micro-batch (see :data:`MicroBatch`).
+            acrl: controller signal of the current rollout batch (None unless method is acrl).
+            num_tokens / num_seqs: global denominators of the whole optimizer step.
+            num_microbatches: micro-batches per DP rank in this step (Megatron divides by it).
+            dp_size: data-parallel size (DDP averages over it).
+        """
+        mask = micro["loss_mask"].float()
+        n_local = mask.sum().to(torch.int)
+        # Exactly cancels the schedule's "/ clamp(num_tokens, 1) / num_microbatches" and DDP's 1/dp.
+        undo = float(max(int(n_local), 1) * num_microbatches * dp_size)
+
+        def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            logp, ent = self.token_logprobs(logits, micro["tokens"], with_entropy=self.entropy)
+            loss, metrics = self.loss_fn(
+                logp,
+                micro["old_logprobs"].float(),
+                micro["rollout_logprobs"].float(),
+                micro["advantages"].float(),
+                mask,
+                algorithm=self.algorithm,
+                correction=self.correction,
+                acrl=acrl,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                entropy=ent,
+                ref_logprobs=micro["ref_logprobs"].float() if "ref_logprobs" in micro else None,
+                **({"norm_len": self.norm_len} if self.norm_len is not None else {}),
+            )
+            return loss * undo, n_local, metrics
+
+        return loss_func
+
+    def forward_only_func(self, micro: MicroBatch, with_entropy: bool) -> Callable[..., dict[str, Any]]:
+        """``loss_func`` for ``collect_non_loss_data=True``: returns aligned log-probs, no loss."""
+
+        def collect(logits: torch.Tensor, non_loss_data: bool = True) -> dict[str, Any]:
+            with torch.no_grad():
+                lp, ent = self.token_logprobs(logits, micro["tokens"], with_entropy=with_entropy)
+            return {"logprobs": lp, "entropy": ent}
+
+        return collect

@@ -1,0 +1,641 @@
+"""The Megatron-Core trainer: forward-only log-probs, one optimizer step, weights in and out.
+
+Process groups are read once (``ProcessGroupCollection.use_mpu_process_groups()``) after
+:func:`initialize_parallel` and passed explicitly to the model, DDP, the optimizer, the schedule and
+our own collectives. Every rank holds the whole rollout batch (the driver broadcasts it); each
+data-parallel rank trains on its contiguous slice of sequences, so the global loss denominators are
+known locally without a collective.
+
+Rank roles:
+  * the last pipeline stage computes log-probs and the loss (``loss_adapter``);
+  * metrics and forward-only log-probs are reduced over DP on the last stage, then broadcast over the
+    pipeline group so every rank (rank 0 drives the loop and sits on the first stage) has them;
+  * the ACRL controller is updated on the last stage from DP-all-reduced statistics and its state is
+    broadcast over the pipeline group: all ranks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_acrl.config import Config, ParallelConfig
+from megatron_acrl.megatron import cpu_compat
+from megatron_acrl.megatron.model import (
+    build_model_chunks,
+    padded_vocab_size,
+    transformer_config,
+    unwrap,
+)
+
+cpu_compat.apply()
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
+
+from megatron_acrl.correction import (  # noqa: E402
+    AcrlController,
+    acrl_discrepancy_stats,
+    all_reduce_partials,
+    combine_partials,
+    finalize_metrics,
+)
+from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn  # noqa: E402
+from sglang_bridge import convert  # noqa: E402
+
+__all__ = ["Trainer", "initialize_parallel"]
+
+TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages")
+
+
+def initialize_parallel(parallel: ParallelConfig, seed: int) -> None:
+    """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNG.
+
+    ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU). Call
+    ``parallel_state.destroy_model_parallel()`` before re-initialising with another layout.
+    """
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        expert_model_parallel_size=parallel.ep,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class _Entry:
+    """One local parameter and how to turn it into full canonical tensor(s)."""
+
+    param: torch.nn.Parameter
+    local_name: str  # canonical name with layer offset applied, local expert index
+    is_expert: bool
+    names: list[str]  # canonical names of the full tensors it yields (several for EP)
+
+
+class Trainer:
+    """Megatron-Core policy (and optional reference model) for RL post-training.
+
+    Args:
+        cfg: the run configuration.
+        pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
+        loss_fn: the pure loss (default ``megatron_acrl.losses.rl_loss``).
+        total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
+            num_minibatches``).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        pg_collection: ProcessGroupCollection | None = None,
+        loss_fn: LossFn | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        pg = self.pg
+        self.tp_size, self.pp_size, self.dp_size = pg.tp.size(), pg.pp.size(), pg.dp.size()
+        self.pp_rank, self.dp_rank = pg.pp.rank(), pg.dp.rank()
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        self.last_stage_rank = dist.get_global_rank(pg.pp, self.pp_size - 1)
+        self.info = convert.ArchInfo.from_model_config(cfg.model)
+        self.padded_vocab = padded_vocab_size(cfg.model.vocab_size, self.tp_size)
+
+        self.config = transformer_config(cfg.model, cfg.parallel)
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+            # 1/dp pre-scaling (not an AVG collective, which gloo lacks); the adapter undoes it.
+            average_in_collective=False,
+        )
+        chunks = build_model_chunks(cfg.model, cfg.parallel, self.config, pg)
+        self.model = [
+            DistributedDataParallel(self.config, self.ddp_config, c, disable_bucketing=i > 0, pg_collection=pg)
+            for i, c in enumerate(chunks)
+        ]
+        self.config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = None
+
+        t = cfg.training
+        self.opt_config = OptimizerConfig(
+            optimizer="adam",  # AdamW; the distributed optimizer supports only Adam
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.grad_clip,
+            bf16=self.config.bf16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(
+            self.opt_config, self.model, use_gloo_process_groups=False, pg_collection=pg
+        )
+        a = cfg.algorithm
+        steps = total_steps or max(1, t.num_steps * a.ppo_epochs * a.num_minibatches)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if t.lr_warmup_steps else t.lr,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.lr_warmup_steps,
+            lr_decay_steps=max(steps, t.lr_warmup_steps + 1),
+            lr_decay_style="cosine",
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=max(steps, 1),
+            wd_incr_style="constant",
+        )
+        self.ref_model: list[torch.nn.Module] | None = None
+        if a.kl_coef > 0:
+            ref_config = transformer_config(cfg.model, cfg.parallel)
+            self.ref_model = build_model_chunks(cfg.model, cfg.parallel, ref_config, pg)
+            for chunk in self.ref_model:
+                chunk.requires_grad_(False)
+            self._copy_policy_to_ref()
+
+        self.adapter = LossAdapter(
+            algorithm=a,
+            correction=cfg.correction,
+            tp_group=pg.tp,
+            vocab_size=cfg.model.vocab_size,
+            temperature=cfg.rollout.temperature,
+            chunk_size=t.logprob_chunk_size,
+            norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens,
+            loss_fn=loss_fn,
+        )
+        self.controller = AcrlController(cfg.correction) if cfg.correction.method == "acrl" else None
+        self.step = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Batches
+    # ----------------------------------------------------------------------------------------
+
+    def _seq_multiple(self) -> int:
+        # Sequence parallelism scatters the sequence over TP ranks.
+        return self.tp_size if self.config.sequence_parallel else 1
+
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor], keys: tuple[str, ...]) -> list[dict]:
+        """This DP rank's contiguous slice of ``batch``, cut into micro-batches (right-padded to a
+        sequence length Megatron accepts)."""
+        n, length = batch["tokens"].shape
+        mbs = self.cfg.training.micro_batch_size
+        if n % (self.dp_size * mbs):
+            raise ValueError(
+                f"batch of {n} sequences cannot be split into dp={self.dp_size} x micro_batch_size={mbs} "
+                f"micro-batches; use a multiple of {self.dp_size * mbs}"
+            )
+        per_rank = n // self.dp_size
+        lo = self.dp_rank * per_rank
+        mult = self._seq_multiple()
+        padded = -(-length // mult) * mult
+        micro = []
+        for start in range(lo, lo + per_rank, mbs):
+            mb = {}
+            for k in keys:
+                if k not in batch:
+                    continue
+                v = batch[k][start : start + mbs]
+                if padded != length:  # pad tokens/masks/log-probs with zeros: masked, never scored
+                    v = torch.nn.functional.pad(v, (0, padded - length))
+                mb[k] = v.contiguous()
+            mb["position_ids"] = torch.arange(padded).unsqueeze(0).expand(mb["tokens"].shape[0], -1).contiguous()
+            micro.append(mb)
+        return micro
+
+    def _run_schedule(self, model: list[torch.nn.Module], micro: list[dict], loss_func_for, forward_only: bool,
+                      collect: bool) -> list[Any]:
+        def forward_step(data_iterator: Iterator[dict], chunk: torch.nn.Module):
+            mb = next(data_iterator)
+            out = chunk(mb["tokens"], mb["position_ids"], None)
+            return out, loss_func_for(mb)
+
+        seq_len = micro[0]["tokens"].shape[1]
+        iters = [iter(micro) for _ in model]  # every virtual stage walks the same micro-batches
+        kwargs: dict[str, Any] = {}
+        if self.pp_size > 1:
+            kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.pg.pp, config=self.config)
+        return get_forward_backward_func(self.pp_size, self.cfg.parallel.vpp)(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(model) > 1 else iters[0],
+            model=model,
+            num_microbatches=len(micro),
+            seq_length=seq_len,
+            micro_batch_size=micro[0]["tokens"].shape[0],
+            forward_only=forward_only,
+            collect_non_loss_data=collect,
+            pg_collection=self.pg,
+            **kwargs,
+        )
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pg.pp)
+        return box[0]
+
+    # ----------------------------------------------------------------------------------------
+    # Forward-only log-probs (pi_old, reference)
+    # ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, reference: bool = False, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-token log-probs of ``batch["tokens"]`` under the current policy (or the reference model).
+
+        Args:
+            batch: at least ``tokens [N, L]`` int64 (the whole rollout batch, on every rank).
+            reference: use the frozen reference model (needs ``algorithm.kl_coef > 0``).
+            with_entropy: also return token entropies.
+        Returns:
+            ``{"logprobs": [N, L] float32, "entropy": [N, L] (if asked)}`` on every rank; position 0
+            holds 0 (padding positions hold the model's numbers and must be masked by the caller).
+        """
+        model = self.model
+        if reference:
+            if self.ref_model is None:
+                raise RuntimeError("no reference model: set algorithm.kl_coef > 0")
+            model = self.ref_model
+        for chunk in model:
+            chunk.eval()
+        micro = self._micro_batches(batch, ("tokens",))
+        out = self._run_schedule(
+            model, micro, lambda mb: self.adapter.forward_only_func(mb, with_entropy), True, True
+        )
+        length = batch["tokens"].shape[1]
+        result: dict[str, torch.Tensor] | None = None
+        if self.is_last_stage:
+            keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+            local = {k: torch.cat([o[k] for o in out], 0)[:, :length].contiguous() for k in keys}
+            result = {}
+            for k, v in local.items():  # DP ranks hold contiguous slices: gather in rank order
+                parts = [torch.empty_like(v) for _ in range(self.dp_size)]
+                dist.all_gather(parts, v, group=self.pg.dp)
+                result[k] = torch.cat(parts, 0)
+        result = self._broadcast_from_last_stage(result)
+        for chunk in self.model:
+            chunk.train()
+        return result
+
+    # ----------------------------------------------------------------------------------------
+    # ACRL controller
+    # ----------------------------------------------------------------------------------------
+
+    def update_controller(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Observe one rollout batch (call once, before its first optimizer step).
+
+        Statistics of this DP rank's sequences are all-reduced (SUM) over DP on the last stage,
+        the controller is updated there and its state broadcast over the pipeline group.
+        Returns the controller's metrics (empty when the method is not acrl).
+        """
+        if self.controller is None:
+            return {}
+        state = None
+        if self.is_last_stage:
+            n = batch["tokens"].shape[0]
+            per_rank = n // self.dp_size
+            sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+            stats = acrl_discrepancy_stats(
+                batch["old_logprobs"][sl].float(),
+                batch["rollout_logprobs"][sl].float(),
+                batch["loss_mask"][sl],
+                self.cfg.correction.distance,
+            )
+            dist.all_reduce(stats, group=self.pg.dp)
+            self.controller.update(stats)
+            state = self.controller.state_dict()
+        state = self._broadcast_from_last_stage(state)
+        self.controller.load_state_dict(state)
+        return self.controller.metrics()
+
+    # ----------------------------------------------------------------------------------------
+    # One optimizer step
+    # ----------------------------------------------------------------------------------------
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on ``batch`` (the minibatch; every rank holds all of it).
+
+        Args:
+            batch: ``tokens, loss_mask, old_logprobs, rollout_logprobs, advantages`` (+ optional
+                ``ref_logprobs``), all ``[N, L]``.
+        Returns:
+            Final metrics (same on every rank): the loss function's, plus ``grad_norm``, ``lr``,
+            ``update_successful`` and the controller's ``acrl/*``.
+        """
+        missing = [k for k in TRAIN_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"train batch is missing {missing}")
+        signal = None
+        if self.controller is not None:
+            signal = self.controller.signal()
+        mask = batch["loss_mask"].float()
+        num_tokens = mask.sum()
+        num_seqs = (mask.sum(-1) > 0).sum().float()
+        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs",))
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_func_for = partial(
+            self.adapter.train_loss_func,
+            acrl=signal,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_microbatches=len(micro),
+            dp_size=self.dp_size,
+        )
+        out = self._run_schedule(self.model, micro, lambda mb: loss_func_for(mb), False, False)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+
+        metrics: dict[str, float] | None = None
+        if self.is_last_stage:
+            partials = all_reduce_partials(combine_partials(out), group=self.pg.dp)
+            metrics = finalize_metrics(partials)
+        metrics = dict(self._broadcast_from_last_stage(metrics))
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = lr
+        metrics["update_successful"] = float(bool(ok))
+        if self.controller is not None:
+            metrics.update(self.controller.metrics())
+        return metrics
+
+    # ----------------------------------------------------------------------------------------
+    # Weights: HF export (streamed) and load
+    # ----------------------------------------------------------------------------------------
+
+    def _entries(self, model: list[torch.nn.Module]) -> list[_Entry]:
+        """Local parameters with their canonical names (the same order on every rank of a stage)."""
+        ep_size, ep_rank = self.pg.ep.size(), self.pg.ep.rank()
+        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
+        entries = []
+        for vp_stage, chunk in enumerate(model):
+            offset = get_transformer_layer_offset(
+                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
+            )
+            gpt = unwrap(chunk)
+            for name, param in gpt.named_parameters():
+                local = convert.canonical_name(name, layer_offset=offset)
+                if local == "output_layer.weight" and self.cfg.model.tie_embeddings:
+                    continue  # the tied copy on the last stage; exported from the embedding
+                is_expert = not getattr(param, "allreduce", True)
+                if is_expert:
+                    names = [
+                        convert.canonical_name(local, expert_offset=r * n_local_experts) for r in range(ep_size)
+                    ]
+                else:
+                    names = [local]
+                entries.append(_Entry(param, local, is_expert, names))
+        del ep_rank
+        return entries
+
+    def _gather_full(self, e: _Entry) -> list[torch.Tensor]:
+        """Full tensors of one entry (collective over TP, expert-TP and EP groups of this stage)."""
+        t = e.param.detach()
+        if getattr(e.param, "tensor_model_parallel", False):
+            group = self.pg.expt_tp if e.is_expert else self.pg.tp
+            if group.size() > 1:
+                shards = [torch.empty_like(t) for _ in range(group.size())]
+                dist.all_gather(shards, t.contiguous(), group=group)
+                t = convert.tp_merge(e.local_name, shards, e.param.partition_dim)
+        if e.is_expert and self.pg.ep.size() > 1:
+            parts = [torch.empty_like(t) for _ in range(self.pg.ep.size())]
+            dist.all_gather(parts, t.contiguous(), group=self.pg.ep)
+            return parts
+        return [t]
+
+    def hf_weights(self, all_stages: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full tensor)`` pairs, one tensor at a time, gathered from TP/EP shards.
+
+        Every rank must iterate (the gathers are collectives). With ``all_stages=False`` a rank yields
+        the tensors of its own pipeline stage (what per-stage weight sync needs: the (DP0, TP0) rank of
+        each stage sends); with ``all_stages=True`` every rank yields the whole model, stage by stage
+        (tensors are broadcast over the pipeline group). Tensors keep the model's dtype and must be
+        treated as read-only.
+        """
+        entries = self._entries(self.model)
+        if not all_stages or self.pp_size == 1:
+            for e in entries:
+                for name, full in zip(e.names, self._gather_full(e), strict=True):
+                    yield from convert.megatron_to_hf(name, full, self.info)
+            return
+        # Shapes/dtypes of every stage's full tensors, so receivers can allocate.
+        plan = []
+        for e in entries:
+            shape = list(e.param.shape)
+            if getattr(e.param, "tensor_model_parallel", False):
+                group = self.pg.expt_tp if e.is_expert else self.pg.tp
+                shape[e.param.partition_dim] *= group.size()
+            plan.append((e.names, shape, str(e.param.dtype).replace("torch.", "")))
+        plans: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(plans, plan, group=self.pg.pp)
+        for stage in range(self.pp_size):
+            src = dist.get_global_rank(self.pg.pp, stage)
+            mine = stage == self.pp_rank
+            for i, (names, shape, dtype) in enumerate(plans[stage]):
+                fulls = self._gather_full(entries[i]) if mine else [
+                    torch.empty(shape, dtype=getattr(torch, dtype)) for _ in names
+                ]
+                for name, full in zip(names, fulls, strict=True):
+                    full = full.contiguous()
+                    dist.broadcast(full, src=src, group=self.pg.pp)
+                    yield from convert.megatron_to_hf(name, full, self.info)
+
+    def save_hf(self, directory: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
+        """Write an HF checkpoint (``config.json`` + safetensors shards) from rank 0; all ranks call it.
+
+        Tensors stream through :meth:`hf_weights`; rank 0 holds at most one shard in memory.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(convert.hf_config(self.cfg.model), indent=2))
+        shard: dict[str, torch.Tensor] = {}
+        size, index, files = 0, {}, 0
+
+        def flush() -> None:
+            nonlocal shard, size, files
+            if shard:
+                name = f"model-{files:05d}.safetensors"
+                save_file(shard, str(out / name), metadata={"format": "pt"})
+                index.update(dict.fromkeys(shard, name))
+                shard, size, files = {}, 0, files + 1
+
+        for name, tensor in self.hf_weights(all_stages=True):
+            if not rank0:
+                continue
+            shard[name] = tensor.detach().to("cpu").contiguous().clone()
+            size += tensor.numel() * tensor.element_size()
+            if size >= max_shard_bytes:
+                flush()
+        if rank0:
+            flush()
+            (out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": index}, indent=2)
+            )
+        dist.barrier()
+
+    def load_hf(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
+        """Load HF weights (a safetensors file/directory or a name -> tensor mapping) into the policy
+        (and the reference model). Every rank reads only the tensors its shards need."""
+        get, close = _hf_getter(source)
+        try:
+            self._load_into(self.model, get)
+        finally:
+            close()
+        self.optimizer.reload_model_params()  # refresh fp32 main params (bf16 / distributed opt.)
+        if self.ref_model is not None:
+            self._copy_policy_to_ref()
+
+    @torch.no_grad()
+    def _load_into(self, model: list[torch.nn.Module], get) -> None:  # noqa: ANN001
+        ep_size, ep_rank = self.pg.ep.size(), self.pg.ep.rank()
+        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
+        for vp_stage, chunk in enumerate(model):
+            offset = get_transformer_layer_offset(
+                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
+            )
+            for name, param in unwrap(chunk).named_parameters():
+                is_expert = not getattr(param, "allreduce", True)
+                canon = convert.canonical_name(
+                    name, layer_offset=offset, expert_offset=ep_rank * n_local_experts if is_expert else 0
+                )
+                full = convert.hf_to_megatron(canon, get, self.info, padded_vocab=self.padded_vocab)
+                if getattr(param, "tensor_model_parallel", False):
+                    group = self.pg.expt_tp if is_expert else self.pg.tp
+                    full = convert.tp_shard(canon, full, group.size(), group.rank(), param.partition_dim)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(f"{canon}: HF weights give shape {tuple(full.shape)}, "
+                                     f"the model has {tuple(param.shape)}")
+                param.copy_(full)
+
+    @torch.no_grad()
+    def _copy_policy_to_ref(self) -> None:
+        assert self.ref_model is not None
+        for src, dst in zip(self.model, self.ref_model, strict=True):
+            for p, q in zip(unwrap(src).parameters(), unwrap(dst).parameters(), strict=True):
+                q.copy_(p)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints (per rank; resume with the same layout)
+    # ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's full training state: model shards, optimizer, LR schedule, controller, step."""
+        opt_param_state = [
+            o.get_parameter_state_dp_reshardable() for o in _leaf_optimizers(self.optimizer)
+            if hasattr(o, "get_parameter_state_dp_reshardable")
+        ]
+        return {
+            "model": [unwrap(c).state_dict() for c in self.model],
+            "ref_model": [unwrap(c).state_dict() for c in self.ref_model] if self.ref_model else None,
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_param_state": opt_param_state,
+            "scheduler": self.scheduler.state_dict(),
+            "controller": self.controller.state_dict() if self.controller is not None else None,
+            "step": self.step,
+            "layout": self._layout(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same parallel layout)."""
+        if state["layout"] != self._layout():
+            raise ValueError(f"checkpoint layout {state['layout']} != this run's {self._layout()}")
+        for chunk, sd in zip(self.model, state["model"], strict=True):
+            unwrap(chunk).load_state_dict(sd)
+        if self.ref_model is not None and state["ref_model"] is not None:
+            for chunk, sd in zip(self.ref_model, state["ref_model"], strict=True):
+                unwrap(chunk).load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        leaves = [o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")]
+        for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
+            o.load_parameter_state_from_dp_reshardable(s)
+        if not leaves:
+            self.optimizer.reload_model_params()
+        self.scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+        self.step = int(state["step"])
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """Write this rank's state to ``directory/step_<n>/rank_<r>.pt`` (all ranks call it)."""
+        path = Path(directory) / f"step_{self.step:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), path / f"rank_{dist.get_rank():05d}.pt")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (Path(directory) / "latest.json").write_text(json.dumps({"step": self.step, "dir": path.name}))
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> bool:
+        """Resume from ``directory/latest.json`` if present; returns whether a checkpoint was loaded."""
+        latest = Path(directory) / "latest.json"
+        if not latest.exists():
+            return False
+        sub = json.loads(latest.read_text())["dir"]
+        state = torch.load(Path(directory) / sub / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+        self.load_state_dict(state)
+        return True
+
+    def _layout(self) -> dict[str, Any]:
+        p = self.cfg.parallel
+        return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep, "dp": self.dp_size,
+                "distributed_optimizer": p.distributed_optimizer, "world": dist.get_world_size()}
+
+
+def _leaf_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _hf_getter(source: str | os.PathLike | Mapping[str, torch.Tensor]):  # noqa: ANN202
+    """``(get(name) -> tensor, close())`` over a mapping, a .safetensors file or an HF directory."""
+    if isinstance(source, Mapping):
+        return source.__getitem__, lambda: None
+    from safetensors import safe_open
+
+    path = Path(source)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+    def get(name: str) -> torch.Tensor:
+        if name not in where:
+            raise KeyError(f"{name} not found in {path}")
+        return where[name].get_tensor(name)
+
+    return get, lambda: handles.clear()

@@ -1,0 +1,125 @@
+"""Supervised warm-start: teach the tiny model the task's answer format so RL starts from a policy
+that is right some of the time. Runs on the same Megatron trainer (same ranks and layout) with the
+token NLL loss, and writes an HF checkpoint that both the trainer and SGLang load. Cached by a hash
+of everything that determines it, so every arm of a study shares one warm start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_acrl.config import Config, config_to_dict
+from megatron_acrl.tasks import make_task
+
+
+def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
+    src = json.dumps(
+        [
+            str(base_dir),
+            config_to_dict(cfg.model),
+            config_to_dict(cfg.task),
+            cfg.training.sft_steps,
+            cfg.training.sft_lr,
+            cfg.training.sft_batch_size,
+            cfg.training.seed,
+        ],
+        sort_keys=True,
+    )
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def sft_batch(prompts: list[Any], tokenizer: Any, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + answer + EOS, right-padded; the loss mask covers the answer and EOS."""
+    seqs, masks = [], []
+    for p in prompts:
+        pids = tokenizer.encode(p.text, add_special_tokens=False)
+        aids = tokenizer.encode(p.answer, add_special_tokens=False) + [eos_id]
+        seqs.append(pids + aids)
+        masks.append([0] * len(pids) + [1] * len(aids))
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        tokens[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    zeros = torch.zeros_like(mask)
+    return {
+        "tokens": tokens,
+        "loss_mask": mask,
+        "old_logprobs": zeros,
+        "rollout_logprobs": zeros,
+        "advantages": zeros,
+    }
+
+
+def save_hf_dir(named_tensors: Any, base_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write an HF model directory: ``base_dir``'s config and tokenizer + the given weights (atomic)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors = {name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in named_tensors}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def sft_warmstart(
+    cfg: Config, base_dir: str | Path, cache_root: str | Path, tokenizer: Any, log: Any = print
+) -> Path:
+    """Run (or reuse) the warm-start; every trainer rank calls it. Returns the checkpoint directory."""
+    from megatron_acrl.losses import sft_loss
+    from megatron_acrl.megatron.trainer import Trainer
+
+    out = Path(cache_root) / f"sft-{sft_cache_key(cfg, base_dir)}"
+    if out.is_dir():
+        return out
+    t = cfg.training
+    sft_cfg = dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(
+            t,
+            lr=t.sft_lr,
+            min_lr=0.0,
+            lr_warmup_steps=0,
+            weight_decay=0.0,
+            micro_batch_size=min(t.micro_batch_size, t.sft_batch_size),
+        ),
+        correction=dataclasses.replace(cfg.correction, method="none"),
+        algorithm=dataclasses.replace(cfg.algorithm, kl_coef=0.0, entropy_coef=0.0),
+    )
+    trainer = Trainer(sft_cfg, loss_fn=sft_loss, total_steps=t.sft_steps)
+    trainer.load_hf(base_dir)
+    task = make_task(cfg.task)
+    stream = task.train_prompts(seed=t.seed + 7919)  # not the RL stream: RL prompts stay unseen
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    n = t.sft_batch_size - t.sft_batch_size % (trainer.dp_size * sft_cfg.training.micro_batch_size) or (
+        trainer.dp_size * sft_cfg.training.micro_batch_size
+    )
+    for step in range(t.sft_steps):
+        metrics = trainer.train_step(sft_batch(list(itertools.islice(stream, n)), tokenizer, eos, pad))
+        if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
+            log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
+    weights = trainer.hf_weights(all_stages=True)
+    if dist.get_rank() == 0:
+        save_hf_dir(weights, base_dir, out)
+    else:
+        for _ in weights:  # the gathers are collectives: every rank walks the stream
+            pass
+    dist.barrier()
+    del trainer
+    return out

@@ -1,0 +1,264 @@
+"""Tiny models built locally (no hub access): a byte-level BPE tokenizer and HF checkpoints.
+
+Used by tests, the CPU demo and the benchmarks. Everything is deterministic and cached under a
+directory keyed by a hash of what determines the bytes, and built atomically (into a temporary
+directory renamed into place), so concurrent builders never see a half-written checkpoint::
+
+    path = build_checkpoint(ModelConfig())          # Qwen2ForCausalLM, bf16 safetensors + tokenizer
+    path = build_checkpoint(ModelConfig(family="qwen3_moe", num_experts=4, qk_layernorm=True,
+                                        add_qkv_bias=False))
+
+The checkpoint directory is a normal HF model directory (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json, chat template) that SGLang serves and the trainer loads into
+Megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_acrl.config import ModelConfig
+
+# Bump when the corpus or tokenizer recipe changes: it is part of every cache key.
+TOKENIZER_RECIPE_VERSION = 1
+CHECKPOINT_RECIPE_VERSION = 1
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an is are was of to and in on for with what answer question result sum total number "
+    "add plus minus times equals think step first then so therefore because hello world model "
+    "reward policy sample token learn train value each two three four five six seven eight nine ten"
+).split()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/megatron-acrl/tiny`` (``~/.cache/...`` by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "megatron-acrl" / "tiny"
+
+
+def _corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Synthetic text: arithmetic ("12+34=46"), Q/A in english-ish words, chat-formatted lines."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        res = {"+": a + b, "-": a - b, "*": a * b}[op]
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+        kind = i % 4
+        if kind == 0:
+            lines.append(f"{a}{op}{b}={res}")
+        elif kind == 1:
+            lines.append(f"What is {a} {op} {b}? The answer is {res}.")
+        elif kind == 2:
+            lines.append(words.capitalize() + ".")
+        else:
+            lines.append(f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>")
+    return lines
+
+
+def _atomic_build(final: Path, build: Any) -> Path:
+    """Run ``build(tmp_dir)`` and rename the result to ``final``; a concurrent winner is kept."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # a real failure, not "another process got there first"
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_tokenizer(vocab_size: int = 320, cache_dir: str | Path | None = None) -> Path:
+    """Train (or reuse) the byte-level BPE tokenizer with ``vocab_size`` entries; returns its directory.
+
+    Digits are always split into single tokens (as in Qwen2's tokenizer), so "12+34=" becomes
+    ``1 2 + 3 4 =`` and arithmetic tasks tokenise the same way at every length.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    min_vocab = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < min_vocab:
+        raise ValueError(
+            f"tokenizer vocab_size must be >= {min_vocab} (bytes + special tokens), got {vocab_size}"
+        )
+    key = hashlib.sha256(json.dumps([TOKENIZER_RECIPE_VERSION, vocab_size]).encode()).hexdigest()[:16]
+    final = Path(cache_dir or default_cache_dir()) / f"tokenizer-v{vocab_size}-{key}"
+
+    def build(tmp: Path) -> None:
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(), trainer=trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+            bos_token=None,
+            unk_token=None,
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(str(tmp))
+
+    return _atomic_build(final, build)
+
+
+def hf_config_dict(cfg: ModelConfig, *, eos_token_id: int, initializer_range: float = 0.02) -> dict[str, Any]:
+    """HF ``config.json`` content for ``cfg`` (architecture, sizes, family switches).
+
+    Raises ``ValueError`` for combinations the HF family cannot express (so the Megatron model and the
+    served HF model can never silently differ): qwen2 always has a QKV bias and no QK-norm, qwen3 /
+    qwen3_moe always have QK-norm and no bias, llama's ``attention_bias`` would also bias o_proj.
+    """
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    want = {
+        "qwen2": (True, False),
+        "llama": (False, False),
+        "qwen3": (False, True),
+        "qwen3_moe": (False, True),
+    }[cfg.family]
+    if (cfg.add_qkv_bias, cfg.qk_layernorm) != want:
+        raise ValueError(
+            f"family {cfg.family} needs add_qkv_bias={want[0]}, qk_layernorm={want[1]} "
+            f"(got {cfg.add_qkv_bias}, {cfg.qk_layernorm})"
+        )
+    if cfg.is_moe != (cfg.family == "qwen3_moe"):
+        raise ValueError(
+            f"num_experts={cfg.num_experts} does not fit family {cfg.family} (only qwen3_moe is MoE)"
+        )
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        raise ValueError("Qwen3-MoE has no shared expert; set moe_shared_expert_ffn_hidden_size: 0")
+    arch = {
+        "qwen2": "Qwen2ForCausalLM",
+        "llama": "LlamaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }[cfg.family]
+    d: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rotary_base,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "initializer_range": initializer_range,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "torch_dtype": "bfloat16",
+    }
+    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
+        d["attention_bias"] = False
+    if cfg.family == "qwen3_moe":
+        d.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.moe_router_topk,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+        )
+    return d
+
+
+def _hf_config(d: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in d.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    c = AutoConfig.for_model(d["model_type"], **kw)
+    c.architectures = d["architectures"]
+    return c
+
+
+def build_checkpoint(
+    cfg: ModelConfig,
+    *,
+    seed: int = 0,
+    initializer_range: float | None = None,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Build (or reuse) a bf16 HF checkpoint for ``cfg`` initialised from ``seed``; returns its directory.
+
+    ``initializer_range`` defaults to 0.02 (dense) / 0.2 (MoE: large enough that routing is not
+    near-uniform, so routing mismatches are visible). Weights are saved under the checkpoint's own
+    names (per-expert names for MoE), which is also what SGLang's loader and the weight-sync manifest
+    expect.
+    """
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    init = initializer_range if initializer_range is not None else (0.2 if cfg.is_moe else 0.02)
+    arch_fields = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff")
+    }
+    tok_vocab = min(cfg.vocab_size, 320)  # the tokenizer stays small; the embedding may be larger
+    key_src = json.dumps([CHECKPOINT_RECIPE_VERSION, arch_fields, seed, init, tok_vocab], sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    root = Path(cache_dir or default_cache_dir())
+    final = root / f"{cfg.family}-{key}"
+    if final.is_dir():
+        return final
+    tok_dir = build_tokenizer(tok_vocab, cache_dir=root)
+
+    def build(tmp: Path) -> None:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+        if len(tok) > cfg.vocab_size:
+            raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer size {len(tok)}")
+        hf_cfg = _hf_config(hf_config_dict(cfg, eos_token_id=tok.eos_token_id, initializer_range=init))
+        # Random init on CPU in fp32 from a private generator state, then cast: deterministic per seed.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        model = model.to(torch.bfloat16)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / "megatron_acrl.json").write_text(
+            json.dumps({"model_config": arch_fields, "seed": seed, "initializer_range": init}, indent=2)
+        )
+
+    return _atomic_build(final, build)
+
+
+__all__ = ["build_checkpoint", "build_tokenizer", "default_cache_dir", "hf_config_dict"]

@@ -1,0 +1,112 @@
+"""The RL driver: ``python -m megatron_acrl.train --config configs/X.yaml [section.key=value ...]``.
+
+Run it under ``torchrun`` (or ``srun``) for several trainer ranks; rank 0 drives the loop and owns the
+rollout engine, every rank trains. One step::
+
+    generate -> reward -> pi_old log-probs -> advantages -> controller -> train -> sync weights
+
+Each phase is a named function in its own module; this file only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from megatron_acrl.advantages import compute_advantages, minibatches
+from megatron_acrl.checkpoint import DriverState, load_driver_state, save_checkpoint
+from megatron_acrl.config import ConfigError, config_to_dict, load_config
+from megatron_acrl.rollout import collect_rollouts, evaluate, log_extras
+from megatron_acrl.runtime import RunContext, setup_run
+
+
+def train(ctx: RunContext, state: DriverState) -> DriverState:
+    """The loop: one screen, each phase a named function."""
+    cfg, trainer, log = ctx.cfg, ctx.trainer, ctx.logger
+    for step in range(state.step, cfg.training.num_steps):
+        t0 = time.perf_counter()
+        batch, m = collect_rollouts(ctx, state, step)  # generate -> reward (rank 0), broadcast
+        t1 = time.perf_counter()
+        tb = batch.tensors()
+        tb["old_logprobs"] = trainer.forward_logprobs(tb)["logprobs"]  # pi_old
+        if cfg.algorithm.kl_coef > 0:
+            tb["ref_logprobs"] = trainer.forward_logprobs(tb, reference=True)["logprobs"]
+        tb["advantages"], adv_m = compute_advantages(tb, cfg)
+        m.update(adv_m)
+        m.update(trainer.update_controller(tb))  # ACRL: once per rollout batch
+        t2 = time.perf_counter()
+        for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
+            m.update(trainer.train_step(mb))
+        t3 = time.perf_counter()
+        state.weight_version = f"step-{step + 1}"
+        m.update(ctx.sync_weights(state.weight_version))
+        t4 = time.perf_counter()
+        state.step = step + 1
+        m.update(
+            {
+                "time/rollout": t1 - t0,
+                "time/logprob": t2 - t1,
+                "time/train": t3 - t2,
+                "time/sync": t4 - t3,
+                "time/step": t4 - t0,
+                "perf/tokens_per_s": float(tb["loss_mask"].sum()) / max(t4 - t0, 1e-9),
+            }
+        )
+        if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
+            m.update(evaluate(ctx, state.step))
+        if log is not None:
+            log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
+        stop = ctx.stop_requested()  # SIGTERM on any rank; all ranks agree (all-reduced flag)
+        if stop or ctx.should_checkpoint(state.step):
+            save_checkpoint(ctx, state)
+        if stop:
+            break
+    return state
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_acrl.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="YAML file in configs/")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. correction.gamma=0.8")
+    ap.add_argument(
+        "--run-dir", default=None, help="where logs, W&B files and plots go (default runs/<name>)"
+    )
+    ap.add_argument("--save-rollouts", default=None, metavar="DIR", help="record every rollout batch")
+    ap.add_argument(
+        "--load-rollouts",
+        default=None,
+        metavar="DIR",
+        help="replay recorded rollout batches instead of generating (no SGLang server)",
+    )
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.check_paths()
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    ctx = setup_run(cfg, args)
+    # SIGTERM (preemption): finish the step, checkpoint, exit 0; the launch script requeues the job.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: ctx.request_stop())
+    try:
+        state = load_driver_state(ctx)
+        ctx.start_logging(config_to_dict(cfg), state)
+        ctx.sync_weights(state.weight_version)  # the servers start from the initial weights
+        state = train(ctx, state)
+        if ctx.cfg.training.checkpoint_dir and not ctx.checkpointed(state.step):
+            save_checkpoint(ctx, state)
+        if ctx.rank == 0:
+            print(f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True)
+    finally:
+        ctx.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,389 @@
+"""Async client for one SGLang server: ``/generate`` with log-probs, and the weight-update endpoints.
+
+    async with SGLangClient(url) as c:
+        groups = await c.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0), n=4)
+        groups[0][2].logprobs      # per output token, float, len == len(output_ids)
+
+Log-prob temperature semantics (SGLang 0.5.23, ``layers/sampler.py``): the returned log-prob of a
+sampled token is ``log softmax(logits / T)[token]`` over the full vocabulary (temperature applied,
+before top-p/top-k truncation of the sampling distribution), unless the *server* was started with
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (:attr:`ServerSpec.original_logprobs`), in which case it is
+``log softmax(logits)[token]``. Greedy requests (T=0) always get ``log softmax(logits)``. Each
+:class:`Sample` records the temperature its log-probs are at in ``logprob_temperature`` so the
+trainer can compute matching log-probs; the client is told the server's mode (``original_logprobs``)
+rather than guessing it.
+
+Errors: connection failures are retried with exponential backoff; after ``retries`` attempts a
+:class:`ServerGoneError` names the server (never a hang: every request has a timeout). A non-2xx
+answer raises :class:`SGLangHTTPError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+from tqdm.auto import tqdm
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class SGLangHTTPError(RuntimeError):
+    """The server answered with an error status."""
+
+    def __init__(self, url: str, path: str, status: int, body: str):
+        self.status, self.body = status, body
+        super().__init__(f"{url}{path} -> HTTP {status}: {body[:500]}")
+
+
+class ServerGoneError(ConnectionError):
+    """The server cannot be reached (it died, or never came up)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one request (SGLang ``sampling_params``)."""
+
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Per-request sampling seed (``sampling_seed``); None lets the server draw."""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            d["sampling_seed"] = self.seed
+        return d
+
+
+@dataclass
+class Sample:
+    """One generated continuation of a prompt."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    """Rollout log-prob of each output token, ``len == len(output_ids)``, at ``logprob_temperature``."""
+    finish_reason: str
+    """"stop" (EOS / stop token), "length" (max_new_tokens) or "abort"."""
+    weight_version: str
+    """Weight version reported when the request finished."""
+    weight_versions: list[dict[str, Any]] = field(default_factory=list)
+    """Segments ``{"version", "start", "end"}`` over output tokens; a request paused across an update
+    spans two."""
+    logprob_temperature: float = 1.0
+    """Temperature the log-probs are computed at (see the module docstring)."""
+    server: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_CONN_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.PoolTimeout,
+)
+
+
+class SGLangClient:
+    """Client of one server; use as ``async with`` (or call :meth:`aclose`)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        original_logprobs: bool = False,
+    ):
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.original_logprobs = original_logprobs
+        self.timeout_s = timeout_s
+        self._sem = asyncio.Semaphore(max_concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(
+                max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency
+            ),
+        )
+        self._rid = itertools.count()
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- transport ------------------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        retry_after_send: bool = True,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """Send with retries. ``retry_after_send=False`` retries only if the request never reached the
+        server (connect errors): for non-idempotent calls such as a weight update."""
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = await self._http.request(
+                    method,
+                    self.url + path,
+                    json=body,
+                    timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                last = e
+            except _CONN_ERRORS as e:
+                last = e
+                if not retry_after_send:
+                    raise ServerGoneError(
+                        f"SGLang server {self.url} dropped {path} mid-request "
+                        f"({type(e).__name__}: {e}); not retried (not idempotent)"
+                    ) from e
+            except httpx.TimeoutException as e:
+                raise TimeoutError(f"SGLang server {self.url}{path} did not answer within the timeout") from e
+            else:
+                if r.status_code >= 400:
+                    raise SGLangHTTPError(self.url, path, r.status_code, r.text)
+                return r
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise ServerGoneError(
+            f"SGLang server {self.url} unreachable for {path} after {self.retries + 1} attempts "
+            f"({type(last).__name__}: {last}); is it still running?"
+        ) from last
+
+    async def _post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
+        r = await self._request("POST", path, body or {}, **kw)
+        try:
+            return r.json()
+        except json.JSONDecodeError:
+            return r.text
+
+    async def _get(self, path: str) -> Any:
+        return (await self._request("GET", path)).json()
+
+    # -- generation -----------------------------------------------------------------------
+    def logprob_temperature(self, params: SamplingParams) -> float:
+        """Temperature at which this server's log-probs for ``params`` are computed."""
+        if params.temperature == 0 or self.original_logprobs:
+            return 1.0
+        return params.temperature
+
+    async def generate_one(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> Sample:
+        """One sample for one prompt (token ids in, token ids + log-probs out)."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        body = {
+            "input_ids": prompt,
+            "sampling_params": params.to_json(),
+            "return_logprob": True,
+            # Log-probs of the output tokens only; the prompt's would cost a full-vocab softmax each.
+            "logprob_start_len": len(prompt) - 1,
+            "rid": rid or f"acrl-{id(self):x}-{next(self._rid)}",
+        }
+        async with self._sem:
+            out = (await self._request("POST", "/generate", body)).json()
+        mi = out["meta_info"]
+        lps = [float(x[0]) for x in mi.get("output_token_logprobs") or []]
+        finish = mi.get("finish_reason") or {}
+        return Sample(
+            prompt_ids=prompt,
+            output_ids=[int(t) for t in out["output_ids"]],
+            logprobs=lps,
+            finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
+            weight_version=str(mi.get("weight_version", "")),
+            weight_versions=list(mi.get("weight_versions") or []),
+            logprob_temperature=self.logprob_temperature(params),
+            server=self.url,
+            meta={k: mi[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "id") if k in mi},
+        )
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        progress: bool | None = None,
+        desc: str = "rollout",
+    ) -> list[list[Sample]]:
+        """``n`` samples for each prompt, at most ``max_concurrency`` requests in flight.
+
+        Returns ``groups[i][j]``: sample j of prompt i. A progress bar is shown when ``progress`` is
+        True, or by default when there are more than 64 requests.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        total = len(prompts) * n
+        bar = tqdm(
+            total=total,
+            desc=desc,
+            unit="sample",
+            disable=not (progress if progress is not None else total > 64),
+        )
+        seeds = None if params.seed is None else itertools.count(params.seed)
+
+        async def one(i: int) -> Sample:
+            p = params if seeds is None else SamplingParams(**{**asdict(params), "seed": next(seeds)})
+            s = await self.generate_one(prompts[i], p)
+            bar.update(1)
+            return s
+
+        try:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts)) for _ in range(n)]
+            try:
+                flat = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        finally:
+            bar.close()
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # -- control and weight-update endpoints --------------------------------------------------
+    async def health(self) -> bool:
+        """True if the server answers ``/model_info``."""
+        try:
+            await self._request("GET", "/model_info", timeout_s=5.0)
+            return True
+        except (ServerGoneError, SGLangHTTPError, TimeoutError):
+            return False
+
+    async def model_info(self) -> dict[str, Any]:
+        """``/model_info``: model_path, weight_version, ..."""
+        return await self._get("/model_info")
+
+    async def weight_version(self) -> str:
+        """The server's current weight version (``/get_weight_version`` does not exist in 0.5.23)."""
+        return str((await self.model_info())["weight_version"])
+
+    async def pause_generation(self, mode: PauseMode = "retract") -> Any:
+        """Stop scheduling: ``retract`` re-queues running requests (KV recomputed after continue),
+        ``abort`` ends them with finish_reason "abort", ``in_place`` keeps their KV cache."""
+        return await self._post("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        return await self._post("/continue_generation", {})
+
+    async def flush_cache(self, attempts: int = 20, wait_s: float = 0.25) -> None:
+        """Flush the radix cache; SGLang answers 400 while requests run, so retry a few times."""
+        for i in range(attempts):
+            try:
+                await self._post("/flush_cache")
+                return
+            except SGLangHTTPError as e:
+                if e.status != 400 or i == attempts - 1:
+                    raise
+                await asyncio.sleep(wait_s)
+
+    async def begin_weight_update(self) -> Any:
+        return await self._post("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> Any:
+        """Close the update session (SGLang then runs post-load processing, e.g. FP8 re-packing)."""
+        return await self._post("/end_weight_update", {}, retry_after_send=False)
+
+    async def update_weight_version(self, version: str) -> Any:
+        # abort_all_requests defaults to True in SGLang: that would kill paused requests.
+        return await self._post(
+            "/update_weight_version", {"new_version": version, "abort_all_requests": False}
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Any:
+        """Ask the server to join the trainer's update group (blocks until the trainer joins too)."""
+        return await self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+            retry_after_send=False,
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> Any:
+        """Receive the tensors the trainer broadcasts next on ``group_name`` (one bucket)."""
+        return await self._post(
+            "/update_weights_from_distributed",
+            {
+                "names": list(names),
+                "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes],
+                "group_name": group_name,
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+                "abort_all_requests": False,
+            },
+            retry_after_send=False,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> Any:
+        return await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+
+__all__ = ["PauseMode", "Sample", "SamplingParams", "ServerGoneError", "SGLangClient", "SGLangHTTPError"]

@@ -1,0 +1,48 @@
+"""What SGLang 0.5.23 needs to serve on a CPU-only machine, kept in this one place.
+
+Applied only to the environment of the SGLang *server* child processes (never to the trainer):
+
+1. ``SGLANG_USE_CPU_ENGINE=1``: SGLang's ``is_cpu()`` is only true with it; without it the CPU code
+   paths (torch-native attention, CPU memory pools) are not selected and start-up fails.
+2. An import-only ``sgl_kernel`` stand-in (``stand_ins/sgl_kernel``) first on ``PYTHONPATH``: the PyPI
+   kernel wheels are CUDA-only and SGLang imports the module unconditionally. On this CPU the bf16
+   dense/MoE paths never call an op of it (they fall back to torch-native code).
+3. ``HF_HUB_OFFLINE=1``: models are local directories; a hub lookup would hang without internet.
+
+Done once at install time by ``scripts/post_install.py`` (not here): the torchvision
+``_meta_registrations.py`` guard, without which ``import torchvision`` (and so SGLang) fails on the
+CPU torch.
+
+Not yet here (a later issue): the R3 routed-experts host-buffer allocator hook, which will be another
+module under ``stand_ins/`` loaded only when routing replay is requested.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+STAND_IN_DIR: Path = Path(__file__).resolve().parent / "stand_ins"
+"""Directory holding the ``sgl_kernel`` stand-in package; prepended to the server's PYTHONPATH."""
+
+CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
+"""Variables SGLang itself requires to run its CPU engine."""
+
+
+def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for an SGLang server child process on ``device`` ("cpu" or "cuda").
+
+    Starts from ``base`` (default: this process's environment). For ``cpu`` it adds the variables
+    above and the stand-in directory; for ``cuda`` it leaves SGLang's real kernels alone.
+    """
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    if device == "cpu":
+        env.update(CPU_SERVER_ENV)
+        old = env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(STAND_IN_DIR) + (os.pathsep + old if old else "")
+    return env
+
+
+__all__ = ["CPU_SERVER_ENV", "STAND_IN_DIR", "server_env"]

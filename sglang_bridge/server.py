@@ -1,0 +1,415 @@
+"""Start, health-check and stop SGLang servers as child processes (CPU or GPU, one or many).
+
+    spec = ServerSpec(model_path=str(ckpt), device="cpu")
+    with SGLangServer(spec, log_path="logs/sglang-0.log") as srv:   # waits until healthy
+        print(srv.url)                                                # http://127.0.0.1:<port>
+    # stopped: the whole process group is killed
+
+    with ServerGroup([spec, spec], log_dir="logs") as group:         # each on its own free port
+        urls = group.urls
+
+Clean-up is unconditional: context-manager exit, ``atexit``, SIGINT/SIGTERM in the parent (the
+handlers stop every live server, then chain to the previous handler), and on Linux the child gets
+``PR_SET_PDEATHSIG`` so even a SIGKILLed parent takes its server with it. Each server runs in its own
+session (process group), so SGLang's scheduler/detokenizer sub-processes die with it.
+
+Servers bind 127.0.0.1 unless told otherwise: anyone who can reach a server without ``api_key`` can
+replace its weights through the update endpoints.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+from sglang_bridge.cpu_compat import server_env
+
+
+class ServerStartError(RuntimeError):
+    """A server died during start-up or did not become healthy in time (message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it; a small race remains)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to launch one SGLang server (``python -m sglang.launch_server``)."""
+
+    model_path: str
+    """HF model directory to serve (config.json + safetensors + tokenizer)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu: SGLang's CPU engine with the stand-ins of :mod:`sglang_bridge.cpu_compat`; cuda: real kernels."""
+
+    host: str = "127.0.0.1"
+    """Bind address; keep loopback unless the job spans nodes (then set ``api_key``)."""
+
+    port: int | None = None
+    """HTTP port; None picks a free one at start."""
+
+    tp: int = 1
+    """Tensor-parallel size of this server."""
+
+    gpu_ids: tuple[int, ...] | None = None
+    """CUDA devices of this server (CUDA_VISIBLE_DEVICES); None leaves the environment's choice."""
+
+    dtype: str = "bfloat16"
+    """Activation/weight dtype of the served model."""
+
+    quantization: str | None = None
+    """SGLang ``--quantization`` ("fp8" online-quantizes a bf16 checkpoint); None: as the checkpoint."""
+
+    max_total_tokens: int | None = None
+    """KV-cache capacity in tokens; None: 4096 on CPU (SGLang would size it from RAM), SGLang's on GPU."""
+
+    mem_fraction_static: float | None = None
+    """GPU memory fraction for weights + KV cache; None: SGLang's default."""
+
+    api_key: str | None = None
+    """Require this bearer key on every endpoint (``--api-key``)."""
+
+    random_seed: int | None = 0
+    """Sampling seed of the server (``--random-seed``)."""
+
+    original_logprobs: bool = False
+    """Return log-probs of the *unscaled* logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1 on the server).
+    False (SGLang's default): returned log-probs are log softmax(logits / temperature)."""
+
+    extra_args: tuple[str, ...] = ()
+    """Further ``launch_server`` flags, passed verbatim."""
+
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+    """Further environment variables of the server process."""
+
+    def command(self, port: int) -> list[str]:
+        """The launch command line for this spec on ``port``."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--device",
+            self.device,
+            "--dtype",
+            self.dtype,
+            "--tp-size",
+            str(self.tp),
+            "--skip-server-warmup",
+            "--log-level",
+            "info",
+        ]
+        if self.device == "cpu":
+            # CUDA graphs and the xgrammar backend do not exist on a CPU build.
+            cmd += [
+                "--disable-cuda-graph",
+                "--grammar-backend",
+                "none",
+                "--max-total-tokens",
+                str(self.max_total_tokens or 4096),
+            ]
+        elif self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.random_seed is not None:
+            cmd += ["--random-seed", str(self.random_seed)]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The environment of the server process."""
+        env = server_env(self.device)
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        if self.original_logprobs:
+            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        env.update(dict(self.extra_env))
+        return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide registry of live servers, for atexit and signal clean-up.
+# ---------------------------------------------------------------------------------------------
+
+_LIVE: set[SGLangServer] = set()
+_LIVE_LOCK = threading.Lock()
+_HOOKS_INSTALLED = False
+_PREV_HANDLERS: dict[int, Any] = {}
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for s in servers:
+        with contextlib.suppress(Exception):
+            s.stop()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _stop_all()
+    prev = _PREV_HANDLERS.get(signum)
+    if callable(prev):
+        prev(signum, frame)  # e.g. SIGINT's default raises KeyboardInterrupt
+    elif prev == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    atexit.register(_stop_all)
+    # Signal handlers can only be set from the main thread; elsewhere atexit + PDEATHSIG still apply.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            _PREV_HANDLERS[sig] = signal.getsignal(sig)
+            signal.signal(sig, _on_signal)
+    _HOOKS_INSTALLED = True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+class SGLangServer:
+    """One SGLang server child process; a context manager that starts it and always stops it."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_path: str | Path,
+        startup_timeout_s: float = 300.0,
+        name: str | None = None,
+    ):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.port: int = spec.port or 0
+        self.name = name or f"sglang@{spec.host}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:30000``."""
+        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "") else self.spec.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        """True while the server's main process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def launch(self) -> SGLangServer:
+        """Spawn the process (returns at once; see :meth:`wait_healthy`)."""
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name}: already launched (pid {self._proc.pid})")
+        _install_hooks()
+        self.port = self.spec.port or free_port(
+            self.spec.host if self.spec.host != "0.0.0.0" else "127.0.0.1"
+        )
+        self.name = f"{self.name.split(':')[0]}:{self.port}"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
+        self._log_file.write(f"# {' '.join(self.spec.command(self.port))}\n".encode())
+        # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
+        preexec = (
+            _die_with_parent
+            if (sys.platform == "linux" and threading.current_thread() is threading.main_thread())
+            else None
+        )
+        self._proc = subprocess.Popen(
+            self.spec.command(self.port),
+            env=self.spec.env(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        return self
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Block until ``/model_info`` answers; raise :class:`ServerStartError` (with log tail) otherwise."""
+        deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            if not self.alive():
+                rc = self._proc.returncode if self._proc else None
+                tail = self.log_tail()
+                self.stop()
+                raise ServerStartError(
+                    f"{self.name} exited during start-up (rc={rc}); log {self.log_path}:\n{tail}"
+                )
+            if self._model_info_ok():
+                return
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise ServerStartError(
+                    f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; "
+                    f"log {self.log_path}:\n{tail}"
+                )
+            time.sleep(1.0)
+
+    def _model_info_ok(self) -> bool:
+        req = urllib.request.Request(self.url + "/model_info")
+        if self.spec.api_key:
+            req.add_header("Authorization", f"Bearer {self.spec.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=2.0) as r:
+                return r.status == 200 and "model_path" in json.loads(r.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def start(self) -> SGLangServer:
+        """Launch and wait until healthy."""
+        self.launch()
+        self.wait_healthy()
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
+        proc = self._proc
+        if proc is not None:
+            if proc.poll() is None:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Children (scheduler, detokenizer) may outlive the main process: kill the group regardless.
+            self._signal_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if self._log_file is not None:
+            with contextlib.suppress(Exception):
+                self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once (fault injection)."""
+        self._signal_group(signal.SIGKILL)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+
+    def _signal_group(self, sig: int) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)  # start_new_session: pgid == pid
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        """Last ``n_lines`` of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> SGLangServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"SGLangServer({self.name}, pid={self.pid}, model={self.spec.model_path})"
+
+
+class ServerGroup:
+    """Several servers, each on its own port; started concurrently, healthy together, stopped together."""
+
+    def __init__(self, specs: Sequence[ServerSpec], log_dir: str | Path, startup_timeout_s: float = 300.0):
+        used: set[int] = set()
+        self.servers: list[SGLangServer] = []
+        for i, spec in enumerate(specs):
+            port = spec.port
+            while port is None or port in used:
+                port = free_port(spec.host if spec.host != "0.0.0.0" else "127.0.0.1")
+            used.add(port)
+            self.servers.append(
+                SGLangServer(
+                    replace(spec, port=port),
+                    Path(log_dir) / f"sglang-{i}.log",
+                    startup_timeout_s,
+                    name=f"sglang[{i}]",
+                )
+            )
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> ServerGroup:
+        try:
+            for s in self.servers:
+                s.launch()
+            for s in self.servers:
+                s.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> ServerGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __iter__(self) -> Iterator[SGLangServer]:
+        return iter(self.servers)
+
+
+__all__ = ["ServerGroup", "ServerSpec", "ServerStartError", "SGLangServer", "free_port"]

@@ -1,0 +1,701 @@
+"""Push trainer weights (HF names) into running SGLang servers over a torch.distributed group.
+
+    manifest = Manifest.from_checkpoint(served_model_path)            # what the servers hold
+    sync = DistributedWeightSynchronizer([srv.url], manifest)          # gloo on CPU, nccl on GPU
+    sync.connect()                                                     # /init_weights_update_group
+    report = sync.sync(hf_named_tensors, version="step-1")             # one full update
+    sync.verify(prompts, reference_logprobs)                           # max |delta logp| vs trainer
+    sync.close()
+
+One update (:meth:`DistributedWeightSynchronizer.sync`):
+
+1. validate every (name, shape, dtype) that will be sent against the served model's
+   :class:`Manifest` - SGLang itself accepts unknown names (skipped), wrong shapes (CPU) and dtype
+   casts silently, so this is the only guard. A materialised input (dict / list) is checked
+   completely before anything touches a server; a one-shot iterator is checked tensor by tensor
+   before its bucket is sent;
+2. pause generation -> flush the radix cache -> ``/begin_weight_update``;
+3. bucketed broadcasts: each bucket is one ``/update_weights_from_distributed`` request in
+   ``flattened_bucket`` format (all tensors' bytes concatenated into one uint8 tensor, so FP8 crosses
+   gloo, which cannot broadcast float8) plus one broadcast from rank 0;
+4. ``/end_weight_update`` (SGLang's post-load processing) -> ``/update_weight_version`` -> continue.
+
+The version is advanced only after ``end_weight_update`` succeeded. If anything fails after step 2
+the servers stay *paused* (never generating on half-updated weights) and :class:`WeightSyncError`
+says so; calling ``sync`` again with a full set of weights is safe and resumes generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import struct
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from sglang_bridge.client import PauseMode, SamplingParams, SGLangClient, SGLangHTTPError
+from sglang_bridge.fp8 import FP8_DTYPE, Fp8Scheme, quantize_named_tensors, should_quantize
+
+log = logging.getLogger(__name__)
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed; the message says what state the servers were left in."""
+
+
+class ManifestMismatchError(WeightSyncError, ValueError):
+    """Tensors to send do not match the served model; nothing was sent."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Manifest:
+    """Name -> (shape, dtype) of every weight the served model loads, as the server holds it."""
+
+    tensors: dict[str, TensorSpec]
+    tied: dict[str, str] = field(default_factory=dict)
+    """Names the server does not load because they are tied to another (``lm_head.weight``)."""
+    quantization_config: dict[str, Any] | None = None
+    model_path: str = ""
+
+    @classmethod
+    def from_checkpoint(cls, model_path: str | Path, served_dtype: torch.dtype = torch.bfloat16) -> Manifest:
+        """Read safetensors headers (no tensor data) and ``config.json`` of an HF checkpoint.
+
+        Floating tensors are recorded in ``served_dtype`` (SGLang casts at load time to ``--dtype``),
+        except FP8 weights and their fp32 scales, which the server keeps as they are.
+        """
+        path = Path(model_path)
+        cfg = json.loads((path / "config.json").read_text())
+        qc = cfg.get("quantization_config")
+        tensors: dict[str, TensorSpec] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dt = _ST_DTYPES[info["dtype"]]
+                is_scale = name.endswith(("weight_scale_inv", "weight_scale", "input_scale"))
+                if (
+                    dt.is_floating_point
+                    and dt not in (torch.float8_e4m3fn, torch.float8_e5m2)
+                    and not is_scale
+                ):
+                    dt = served_dtype
+                tensors[name] = TensorSpec(tuple(info["shape"]), dt)
+        tied = {}
+        if cfg.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
+            tied["lm_head.weight"] = "model.embed_tokens.weight"
+        return cls(tensors, tied, qc, str(path))
+
+    def check(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> str | None:
+        """None if ``(name, shape, dtype)`` matches, else a one-line reason."""
+        spec = self.tensors.get(name)
+        if spec is None:
+            if name in self.tied:
+                return (
+                    f"{name}: tied to {self.tied[name]} in the served model (tie_word_embeddings); "
+                    "SGLang would ignore it - send only the tied-to tensor"
+                )
+            import difflib
+
+            near = difflib.get_close_matches(name, list(self.tensors), n=1, cutoff=0.6)
+            return f"{name}: not a weight of the served model" + (
+                f" (did you mean {near[0]}?)" if near else ""
+            )
+        if tuple(shape) != spec.shape:
+            return f"{name}: shape {tuple(shape)} != served {spec.shape}"
+        if dtype != spec.dtype:
+            return f"{name}: dtype {_dtype_str(dtype)} != served {_dtype_str(spec.dtype)}"
+        return None
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _dtype_str(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+@dataclass
+class SyncReport:
+    version: str
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+    fp8: str
+    """"none", "real" (FP8 tensors sent) or "fake-quant" (FP8-rounded bf16 sent to a bf16 server)."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
+
+
+@dataclass
+class VerifyReport:
+    version: str
+    max_abs_delta: float
+    mean_abs_delta: float
+    num_tokens: int
+    per_prompt_max: list[float]
+
+    def ok(self, tol: float) -> bool:
+        return self.max_abs_delta <= tol
+
+
+ReferenceLogprobs = Callable[[list[list[int]], list[list[int]], float], list[list[float]]]
+"""``(prompt_ids, output_ids, temperature) -> per-output-token log-probs`` computed by the trainer."""
+
+
+class WeightSynchronizer(ABC):
+    """Keeps rollout servers on the trainer's weights."""
+
+    version: str | None
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Set up the transport to the servers."""
+
+    @abstractmethod
+    def sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: str
+    ) -> SyncReport:
+        """Replace the served weights by ``named_tensors`` (HF names, full tensors) as ``version``."""
+
+    @abstractmethod
+    def verify(
+        self,
+        prompts: Sequence[Sequence[int]],
+        reference: ReferenceLogprobs,
+        *,
+        max_new_tokens: int = 8,
+        temperature: float = 1.0,
+    ) -> VerifyReport:
+        """Compare the servers' log-probs on ``prompts`` with the trainer's ``reference``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tear the transport down (idempotent)."""
+
+    def __enter__(self) -> WeightSynchronizer:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_update_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: timedelta,
+) -> dist.ProcessGroup:
+    """The trainer's end of the weight-update group, built exactly like SGLang's server end.
+
+    SGLang's ``init_custom_process_group`` does a TCP rendezvous, wraps the store in
+    ``PrefixStore(group_name)`` and calls torch's group factory; the store keys must match on both
+    ends, so we do the same (rank 0 hosts the TCP store). No default process group is needed or
+    touched: the group is passed explicitly to every collective.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    store, _, _ = next(
+        dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def broadcast_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start a broadcast of ``tensor`` from group rank 0; returns the work handle."""
+    return dist.broadcast(tensor, src=0, group=group, async_op=True)
+
+
+class _Bucket:
+    """Tensors packed into one flat uint8 buffer, largest itemsize first so every offset is aligned
+    (SGLang's receiver rejects a tensor whose byte offset is not a multiple of its itemsize)."""
+
+    def __init__(self, items: list[tuple[str, torch.Tensor]], buf: torch.Tensor):
+        items = sorted(items, key=lambda it: -it[1].element_size())
+        self.names = [n for n, _ in items]
+        self.dtypes = [_dtype_str(t.dtype) for _, t in items]
+        self.shapes = [list(t.shape) for _, t in items]
+        off = 0
+        for _, t in items:
+            nb = t.numel() * t.element_size()
+            buf[off : off + nb].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+            off += nb
+        self.flat = buf[:off]
+        self.nbytes = off
+
+
+class DistributedWeightSynchronizer(WeightSynchronizer):
+    """Weight sync through ``/update_weights_from_distributed`` to one or many SGLang servers.
+
+    The trainer is rank 0 of a group with every server's TP ranks (``world = 1 + sum(server_tp)``):
+    one broadcast reaches all servers. gloo on CPU, nccl when ``device`` is CUDA; the code path is
+    the same. Public methods are blocking and thread-safe to call from a driver loop; HTTP runs on a
+    private event loop thread so they can also be called while other event loops run.
+
+    ``fp8``: None sends tensors as given; with a scheme, quantizable weights are FP8-quantized on the
+    way ("real": e4m3 + scales, for an FP8 server) or fake-quantized ("fake": FP8-rounded values in
+    the original dtype, for a bf16 CPU server; reported as ``fp8="fake-quant"``).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        manifest: Manifest,
+        *,
+        server_tp: int | Sequence[int] = 1,
+        api_key: str | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str | None = None,
+        device: torch.device | str = "cpu",
+        bucket_size_mb: float = 512,
+        fp8: Fp8Scheme | None = None,
+        fp8_mode: Literal["real", "fake"] = "fake",
+        pause_mode: PauseMode = "retract",
+        require_complete: bool = True,
+        timeout_s: float = 300.0,
+    ):
+        self.urls = list(urls)
+        if not self.urls:
+            raise ValueError("no servers")
+        self.manifest = manifest
+        self.server_tp = [server_tp] * len(self.urls) if isinstance(server_tp, int) else list(server_tp)
+        self.api_key = api_key
+        self.master_address = master_address
+        self.master_port = master_port
+        # Unique by default: torch and the server refuse a second group under an existing name.
+        self.group_name = group_name or f"acrl_weight_update_{uuid.uuid4().hex[:8]}"
+        self.device = torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.bucket_bytes = max(1, int(bucket_size_mb * 1024 * 1024))
+        self.fp8 = fp8
+        self.fp8_mode = fp8_mode
+        self.pause_mode = pause_mode
+        self.require_complete = require_complete
+        self.timeout_s = timeout_s
+        self.version: str | None = None
+        self.group: dist.ProcessGroup | None = None
+        self._dirty = False  # servers paused on partially updated weights
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
+        self._thread.start()
+        self._clients: list[SGLangClient] = self._run(self._make_clients())
+        self._bufs: list[torch.Tensor] = []
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def _make_clients(self) -> list[SGLangClient]:
+        return [
+            SGLangClient(u, api_key=self.api_key, timeout_s=self.timeout_s, max_concurrency=16)
+            for u in self.urls
+        ]
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Any) -> Any:
+        return self._submit(coro).result()
+
+    def _all(self, method: str, *args: Any, **kw: Any) -> list[Any]:
+        async def go() -> list[Any]:
+            return list(await asyncio.gather(*(getattr(c, method)(*args, **kw) for c in self._clients)))
+
+        return self._run(go())
+
+    @property
+    def fp8_label(self) -> str:
+        if self.fp8 is None:
+            return "none"
+        return "real" if self.fp8_mode == "real" else "fake-quant"
+
+    # -- connect / close --------------------------------------------------------------------
+    def connect(self) -> None:
+        """Rendezvous with every server through ``/init_weights_update_group``."""
+        if self.group is not None:
+            return
+        from sglang_bridge.server import free_port
+
+        port = self.master_port or free_port(self.master_address)
+        world = 1 + sum(self.server_tp)
+        offsets = [1 + sum(self.server_tp[:i]) for i in range(len(self.urls))]
+
+        async def init_all() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        c.init_weights_update_group(
+                            self.master_address, port, off, world, self.group_name, self.backend
+                        )
+                        for c, off in zip(self._clients, offsets, strict=True)
+                    )
+                )
+            )
+
+        fut = self._submit(init_all())  # the servers block in rendezvous until we join below
+        try:
+            self.group = create_update_group(
+                self.backend,
+                self.master_address,
+                port,
+                world,
+                0,
+                self.group_name,
+                timedelta(seconds=self.timeout_s),
+            )
+            results = fut.result(timeout=self.timeout_s)
+        except BaseException as e:
+            fut.cancel()
+            raise WeightSyncError(f"could not form the weight-update group with {self.urls}: {e}") from e
+        for url, r in zip(self.urls, results, strict=True):
+            if not (isinstance(r, dict) and r.get("success")):
+                raise WeightSyncError(f"{url} refused /init_weights_update_group: {r}")
+        log.info(
+            "weight-update group %s ready: backend=%s world=%d servers=%s",
+            self.group_name,
+            self.backend,
+            world,
+            self.urls,
+        )
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self.group is not None:
+            try:
+                self._all("destroy_weights_update_group", self.group_name)
+            except Exception as e:  # a dead server must not block the trainer's shutdown
+                log.warning("destroy_weights_update_group failed: %s", e)
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+        async def close_clients() -> None:
+            await asyncio.gather(*(c.aclose() for c in self._clients), return_exceptions=True)
+
+        self._run(close_clients())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    # -- validation -----------------------------------------------------------------------
+    def _out_meta(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> list[tuple[str, tuple, Any]]:
+        """What will actually be sent for one input tensor (after the FP8 step)."""
+        if self.fp8 is None or self.fp8_mode == "fake":
+            return [(name, shape, dtype)]
+        if not should_quantize(name, torch.empty(shape, device="meta", dtype=dtype), self.fp8):
+            return [(name, shape, dtype)]
+        if self.fp8.granularity == "block":
+            bn, bk = self.fp8.block_size
+            sshape: tuple[int, ...] = (-(-shape[0] // bn), -(-shape[1] // bk))
+        elif self.fp8.granularity == "per_channel":
+            sshape = (shape[0], 1)
+        else:
+            sshape = (1,)
+        return [
+            (name, shape, FP8_DTYPE),
+            (name[: -len("weight")] + self.fp8.scale_suffix, sshape, torch.float32),
+        ]
+
+    def validate(self, meta: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
+        """Raise :class:`ManifestMismatchError` listing every input tensor that would not match."""
+        errors: list[str] = []
+        seen: set[str] = set()
+        for name, shape, dtype in meta:
+            for oname, oshape, odtype in self._out_meta(name, tuple(shape), dtype):
+                if oname in seen:
+                    errors.append(f"{oname}: sent twice")
+                seen.add(oname)
+                if (err := self.manifest.check(oname, oshape, odtype)) is not None:
+                    errors.append(err)
+        if self.require_complete and not errors:
+            missing = sorted(set(self.manifest.tensors) - seen)
+            if missing:
+                errors.append(
+                    f"{len(missing)} served weights not in the update (a partial update would mix "
+                    f"versions; pass require_complete=False for that): {missing[:5]}"
+                )
+        if errors:
+            raise ManifestMismatchError(
+                f"refusing weight update for {self.manifest.model_path or 'the served model'} "
+                f"({len(errors)} problems, nothing sent):\n  " + "\n  ".join(errors[:20])
+            )
+
+    # -- sync -----------------------------------------------------------------------------
+    def _buffer(self, i: int, nbytes: int) -> torch.Tensor:
+        while len(self._bufs) <= i:
+            self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._bufs[i].numel() < nbytes:
+            self._bufs[i] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+        return self._bufs[i]
+
+    def _buckets(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        cur: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in tensors:
+            if not checked and (err := self.manifest.check(name, tuple(t.shape), t.dtype)) is not None:
+                raise ManifestMismatchError(f"refusing tensor mid-stream: {err}")
+            nb = t.numel() * t.element_size()
+            if cur and size + nb > self.bucket_bytes:
+                yield cur
+                cur, size = [], 0
+            cur.append((name, t.detach().to(self.device)))
+            size += nb
+        if cur:
+            yield cur
+
+    def _send_bucket(self, items: list[tuple[str, torch.Tensor]], buf_index: int) -> int:
+        assert self.group is not None
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        bucket = _Bucket(items, self._buffer(buf_index, nbytes))
+
+        async def post_all() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        c.update_weights_from_distributed(
+                            bucket.names,
+                            bucket.dtypes,
+                            bucket.shapes,
+                            self.group_name,
+                            load_format="flattened_bucket",
+                            flush_cache=False,
+                        )
+                        for c in self._clients
+                    )
+                )
+            )
+
+        fut = self._submit(post_all())
+        work = broadcast_async(bucket.flat, self.group)
+        # A server that rejects the request never joins the broadcast: watch both, never wait blindly.
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if fut.done() and fut.exception() is not None:
+                raise WeightSyncError(
+                    f"a server failed the bucket before receiving it: {fut.exception()}; "
+                    "the update group is now unusable (reconnect)"
+                )
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"bucket broadcast not completed after {self.timeout_s}s")
+            time.sleep(0.0005)
+        work.wait()
+        for url, r in zip(self.urls, fut.result(timeout=self.timeout_s), strict=True):
+            if not (isinstance(r, dict) and r.get("success")):
+                raise WeightSyncError(f"{url} failed to load bucket {bucket.names[:3]}...: {r}")
+        return bucket.nbytes
+
+    def sync(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: str
+    ) -> SyncReport:
+        if self.group is None:
+            raise WeightSyncError("not connected: call connect() first")
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        checked = isinstance(items, Sequence | type({}.items()))
+        if checked:
+            items = list(items)
+            self.validate((n, tuple(t.shape), t.dtype) for n, t in items)
+        timings["validate"] = time.perf_counter() - t0
+        stream: Iterable[tuple[str, torch.Tensor]] = items
+        if self.fp8 is not None:
+            stream = quantize_named_tensors(stream, self.fp8, mode=self.fp8_mode)
+
+        # From here on the servers are touched.
+        t = time.perf_counter()
+        self._all("pause_generation", self.pause_mode)
+        self._dirty = True
+        self._all("flush_cache")
+        self._begin()
+        timings["pause_begin"] = time.perf_counter() - t
+        n_tensors = n_bytes = n_buckets = 0
+        sent: set[str] = set()
+        try:
+            t = time.perf_counter()
+            for i, bucket in enumerate(self._buckets(stream, checked)):
+                n_bytes += self._send_bucket(bucket, i % 2)
+                n_tensors += len(bucket)
+                n_buckets += 1
+                sent.update(n for n, _ in bucket)
+            timings["buckets"] = time.perf_counter() - t
+            if not checked and self.require_complete:
+                missing = set(self.manifest.tensors) - sent
+                if missing:
+                    raise ManifestMismatchError(
+                        f"stream ended without {len(missing)} served weights, e.g. {sorted(missing)[:5]}"
+                    )
+            t = time.perf_counter()
+            for url, r in zip(self.urls, self._all("end_weight_update"), strict=True):
+                if not (isinstance(r, dict) and r.get("success")):
+                    raise WeightSyncError(f"{url} end_weight_update failed: {r}")
+            self._all("update_weight_version", version)
+            timings["end_version"] = time.perf_counter() - t
+        except BaseException as e:
+            raise WeightSyncError(
+                f"weight update to {version!r} failed after {n_buckets} buckets: {e}\n"
+                f"servers {self.urls} are left PAUSED (generation would run on partially updated weights); "
+                "call sync() again with the full weights to recover"
+            ) from e
+        self.version = version
+        self._dirty = False
+        t = time.perf_counter()
+        self._all("continue_generation")
+        timings["continue"] = time.perf_counter() - t
+        report = SyncReport(
+            version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0, self.fp8_label, timings
+        )
+        log.info(
+            "weight sync %s: %d tensors, %.1f MB, %d buckets, %.3fs (fp8=%s)",
+            version,
+            n_tensors,
+            n_bytes / 1e6,
+            n_buckets,
+            report.seconds,
+            report.fp8,
+        )
+        return report
+
+    def _begin(self) -> None:
+        async def begin(c: SGLangClient) -> Any:
+            try:
+                return await c.begin_weight_update()
+            except SGLangHTTPError as e:
+                # A failed earlier update left its session open: ours continues it (retry path).
+                if e.status == 400 and "already open" in e.body:
+                    log.warning(
+                        "%s: weight-update session still open from a failed update; reusing it", c.url
+                    )
+                    return {"success": True}
+                raise
+
+        async def go() -> list[Any]:
+            return list(await asyncio.gather(*(begin(c) for c in self._clients)))
+
+        for url, r in zip(self.urls, self._run(go()), strict=True):
+            if not (isinstance(r, dict) and r.get("success")):
+                raise WeightSyncError(f"{url} begin_weight_update failed: {r}")
+
+    # -- verify ---------------------------------------------------------------------------
+    def verify(
+        self,
+        prompts: Sequence[Sequence[int]],
+        reference: ReferenceLogprobs,
+        *,
+        max_new_tokens: int = 8,
+        temperature: float = 1.0,
+    ) -> VerifyReport:
+        """Generate on the first server and compare its per-token log-probs with ``reference``.
+
+        ``reference(prompt_ids, output_ids, T)`` must return the trainer's log-probs of each output
+        token at temperature ``T`` (the temperature the server's log-probs are at). Reports
+        max / mean |delta logp| over all tokens; a broken name mapping shows up as deltas of order 1.
+        """
+        params = SamplingParams(
+            temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, seed=1234
+        )
+        client = self._clients[0]
+        groups = self._run(client.generate([list(p) for p in prompts], params, n=1))
+        samples = [g[0] for g in groups]
+        ref = reference(
+            [s.prompt_ids for s in samples], [s.output_ids for s in samples], samples[0].logprob_temperature
+        )
+        deltas: list[float] = []
+        per_prompt = []
+        for s, r in zip(samples, ref, strict=True):
+            if len(r) != len(s.logprobs):
+                raise ValueError(f"reference returned {len(r)} log-probs for {len(s.logprobs)} tokens")
+            d = [abs(a - b) for a, b in zip(s.logprobs, r, strict=True)]
+            deltas += d
+            per_prompt.append(max(d, default=0.0))
+        rep = VerifyReport(
+            samples[0].weight_version,
+            max(deltas, default=0.0),
+            sum(deltas) / max(len(deltas), 1),
+            len(deltas),
+            per_prompt,
+        )
+        log.info(
+            "verify %s: max|dlogp|=%.4g mean=%.4g over %d tokens",
+            rep.version,
+            rep.max_abs_delta,
+            rep.mean_abs_delta,
+            rep.num_tokens,
+        )
+        return rep
+
+
+__all__ = [
+    "DistributedWeightSynchronizer",
+    "Manifest",
+    "ManifestMismatchError",
+    "ReferenceLogprobs",
+    "SyncReport",
+    "TensorSpec",
+    "VerifyReport",
+    "WeightSyncError",
+    "WeightSynchronizer",
+    "broadcast_async",
+    "create_update_group",
+]

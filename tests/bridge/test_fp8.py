@@ -1,0 +1,231 @@
+"""FP8 quantization: round trips, SGLang's own CPU dequantizer as the oracle, flattened FP8 over gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_bridge.cpu_compat import server_env
+from sglang_bridge.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Scheme,
+    dequantize_block,
+    dequantize_scaled,
+    fake_quantize,
+    quantize_block,
+    quantize_named_tensors,
+    quantize_per_channel,
+    quantize_per_tensor,
+    scheme_from_config,
+    should_quantize,
+)
+from sglang_bridge.server import free_port
+
+SHAPES = [(256, 512), (300, 200), (64, 64), (129, 1)]
+
+
+def _weights() -> dict[tuple[int, int], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {s: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in SHAPES}
+
+
+@pytest.fixture(scope="module")
+def sglang_oracle(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SGLang's block_quant_dequant of our quantized weights and its own UE8M0 quantizer, computed in a
+    child process with the server's CPU environment (so SGLang is never imported into the test process)."""
+    d = tmp_path_factory.mktemp("fp8-oracle")
+    ours = {s: quantize_block(w) for s, w in _weights().items()}
+    torch.save({"weights": _weights(), "ours": ours}, d / "in.pt")
+    script = textwrap.dedent(f"""
+        import torch
+        from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant, per_block_cast_to_fp8
+        data = torch.load({str(d / "in.pt")!r})
+        out = {{"deq": {{}}, "ue8m0": {{}}}}
+        for s, (q, sc) in data["ours"].items():
+            out["deq"][s] = block_quant_dequant(q, sc, [128, 128], torch.float32)
+        for s, w in data["weights"].items():
+            out["ue8m0"][s] = per_block_cast_to_fp8(w)
+        torch.save(out, {str(d / "out.pt")!r})
+    """)
+    subprocess.run(
+        [sys.executable, "-c", script], env=server_env("cpu"), check=True, timeout=300, capture_output=True
+    )
+    return torch.load(d / "out.pt")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_block_roundtrip_matches_sglang_dequant(shape: tuple[int, int], sglang_oracle: dict) -> None:
+    w = _weights()[shape]
+    q, s = quantize_block(w)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    ours = dequantize_block(q, s, (128, 128), torch.float32)
+    assert torch.equal(ours, sglang_oracle["deq"][shape])  # same format, same numbers as SGLang reads it
+    rel = ((ours - w.float()).norm() / w.float().norm()).item()
+    assert rel < 0.04  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ue8m0_matches_sglang_quantizer_bitwise(shape: tuple[int, int], sglang_oracle: dict) -> None:
+    q, s = quantize_block(_weights()[shape], ue8m0=True)
+    q_ref, s_ref = sglang_oracle["ue8m0"][shape]
+    assert torch.equal(s, s_ref.float())
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.all(torch.log2(s) == torch.round(torch.log2(s)))  # powers of two
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    k=st.integers(1, 300),
+    scale=st.floats(1e-4, 1e2),
+    seed=st.integers(0, 2**16),
+    bn=st.sampled_from([32, 128]),
+    ue8m0=st.booleans(),
+)
+def test_block_error_bound(n: int, k: int, scale: float, seed: int, bn: int, ue8m0: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * scale
+    q, s = quantize_block(w, (bn, bn), ue8m0=ue8m0)
+    assert q.float().abs().max() <= FP8_MAX
+    deq = dequantize_block(q, s, (bn, bn), torch.float32)
+    s_full = s.repeat_interleave(bn, 0).repeat_interleave(bn, 1)[:n, :k]
+    # half an e4m3 ulp: 2^-4 relative for normals, 2^-10 (x scale) absolute in the subnormal range
+    bound = w.abs() * 2**-4 + s_full * 2**-10
+    assert torch.all((deq - w).abs() <= bound * 1.0001)
+
+
+def test_per_tensor_and_per_channel() -> None:
+    w = _weights()[(300, 200)]
+    q, s = quantize_per_tensor(w)
+    assert s.shape == (1,) and q.dtype == FP8_DTYPE
+    assert ((dequantize_scaled(q, s, torch.float32) - w.float()).norm() / w.float().norm()) < 0.04
+    w2 = w.float() * torch.logspace(-3, 1, 300).unsqueeze(1)  # rows of very different magnitude
+    qc, sc = quantize_per_channel(w2)
+    qt, st_ = quantize_per_tensor(w2)
+    assert sc.shape == (300, 1)
+    err_c = (dequantize_scaled(qc, sc, torch.float32) - w2)[:50].norm()
+    err_t = (dequantize_scaled(qt, st_, torch.float32) - w2)[:50].norm()
+    assert err_c < err_t  # small rows keep their precision with their own scale
+
+
+def test_scheme_from_config_and_selection() -> None:
+    block = scheme_from_config(
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "ignored_layers": ["model.layers.1.mlp.down_proj"],
+        }
+    )
+    assert block == Fp8Scheme("block", (128, 128), False, ("model.layers.1.mlp.down_proj",))
+    assert block.scale_suffix == "weight_scale_inv"
+    assert scheme_from_config(
+        {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [64, 64]}
+    ).ue8m0
+    assert scheme_from_config({"quant_method": "fp8"}).granularity == "per_tensor"
+    ct = {
+        "quant_method": "compressed-tensors",
+        "ignore": ["lm_head", "re:.*layers\\.0\\..*"],
+        "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}},
+    }
+    chan = scheme_from_config(ct)
+    assert chan.granularity == "per_channel" and chan.scale_suffix == "weight_scale"
+    with pytest.raises(ValueError, match="not an FP8"):
+        scheme_from_config({"quant_method": "awq"})
+    w = torch.zeros(64, 64)
+    assert should_quantize("model.layers.0.self_attn.q_proj.weight", w, block)
+    assert should_quantize("model.layers.0.mlp.experts.3.gate_proj.weight", w, block)
+    assert not should_quantize("model.layers.1.mlp.down_proj.weight", w, block)  # ignored
+    assert not should_quantize("model.layers.0.mlp.gate.weight", w, block)  # MoE router stays bf16
+    assert not should_quantize("model.embed_tokens.weight", w, block)
+    assert not should_quantize("lm_head.weight", w, block)
+    assert not should_quantize("model.layers.0.self_attn.q_proj.bias", torch.zeros(64), block)
+    assert not should_quantize("model.layers.0.input_layernorm.weight", torch.zeros(64), block)
+    assert not should_quantize("model.layers.0.self_attn.q_proj.weight", w, chan)  # re: ignore
+    assert should_quantize("model.layers.1.self_attn.q_proj.weight", w, chan)
+
+
+def test_quantize_named_tensors_real_and_fake() -> None:
+    scheme = Fp8Scheme("block", (32, 32))
+    named = [
+        ("model.layers.0.mlp.up_proj.weight", _weights()[(64, 64)]),
+        ("model.norm.weight", torch.ones(64, dtype=torch.bfloat16)),
+    ]
+    real = dict(quantize_named_tensors(iter(named), scheme, mode="real"))
+    assert list(real) == [
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.up_proj.weight_scale_inv",
+        "model.norm.weight",
+    ]
+    assert real["model.layers.0.mlp.up_proj.weight"].dtype == FP8_DTYPE
+    assert real["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (2, 2)
+    fake = dict(quantize_named_tensors(iter(named), scheme, mode="fake"))
+    assert list(fake) == [n for n, _ in named]
+    up = fake["model.layers.0.mlp.up_proj.weight"]
+    assert up.dtype == torch.bfloat16 and torch.equal(up, fake_quantize(named[0][1], scheme))
+    assert torch.equal(
+        up,
+        dequantize_block(
+            real["model.layers.0.mlp.up_proj.weight"],
+            real["model.layers.0.mlp.up_proj.weight_scale_inv"],
+            (32, 32),
+        ),
+    )
+    assert fake["model.norm.weight"] is named[1][1]
+
+
+def _gloo_rank(rank: int, port: int, path: str) -> None:
+    from sglang_bridge.weight_sync import _Bucket, broadcast_async, create_update_group
+
+    group = create_update_group(
+        "gloo", "127.0.0.1", port, 2, rank, "fp8-test", __import__("datetime").timedelta(60)
+    )
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 129, generator=g)  # odd sizes: alignment must come from the bucket's ordering
+    q, s = quantize_block(w)
+    items = [
+        ("a.weight", q),
+        ("b.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("a.weight_scale_inv", s),
+    ]
+    nbytes = sum(t.numel() * t.element_size() for _, t in items)
+    if rank == 0:
+        b = _Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
+        torch.save({"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}, path + ".meta")
+        broadcast_async(b.flat, group).wait()
+    else:
+        flat = torch.zeros(nbytes, dtype=torch.uint8)
+        broadcast_async(flat, group).wait()
+        torch.save(flat, path)
+
+
+def test_flattened_fp8_bucket_crosses_gloo(tmp_path: Path) -> None:
+    """gloo cannot broadcast float8: the flattened uint8 bucket carries e4m3 + fp32 scales byte-exactly."""
+    path = str(tmp_path / "recv.pt")
+    mp.start_processes(_gloo_rank, args=(free_port(), path), nprocs=2, start_method="spawn", join=True)
+    meta, flat = torch.load(path + ".meta"), torch.load(path)
+    assert meta["dtypes"] == ["float32", "bfloat16", "float8_e4m3fn"]  # largest itemsize first: aligned
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 129, generator=g)
+    q, s = quantize_block(w)
+    bias = torch.randn(3, generator=g).to(torch.bfloat16)
+    expected = {"a.weight": q, "b.bias": bias, "a.weight_scale_inv": s}
+    off = 0
+    for name, dt, shape in zip(meta["names"], meta["dtypes"], meta["shapes"], strict=True):  # SGLang's reader
+        dtype = getattr(torch, dt)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        assert off % dtype.itemsize == 0
+        got = flat[off : off + n].view(dtype).reshape(shape)
+        assert torch.equal(got.view(torch.uint8), expected[name].view(torch.uint8))
+        off += n

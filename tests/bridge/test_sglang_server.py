@@ -1,0 +1,82 @@
+"""Real SGLang server on loopback: generation with log-probs, temperature semantics, faults."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from bridge_helpers import PROMPTS, hf_logprobs, load_hf
+
+from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
+from sglang_bridge.server import ServerSpec, ServerStartError, SGLangServer
+
+
+def test_generate_logprobs_match_transformers(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
+    # Tests that change the served weights restore the checkpoint's before they end.
+    model = load_hf(tiny_ckpt)
+
+    async def go(params: SamplingParams) -> list[list]:
+        async with SGLangClient(sglang_server.url) as c:
+            return await c.generate(PROMPTS, params, n=2)
+
+    for temperature in (1.0, 0.6):
+        groups = asyncio.run(go(SamplingParams(temperature=temperature, max_new_tokens=8, ignore_eos=True)))
+        assert [len(g) for g in groups] == [2, 2, 2]
+        for p, g in zip(PROMPTS, groups, strict=True):
+            for s in g:
+                assert s.prompt_ids == p and len(s.output_ids) == 8 == len(s.logprobs)
+                assert s.finish_reason == "length"
+                # SGLang's default: log-probs after temperature scaling.
+                assert s.logprob_temperature == temperature
+                ref = hf_logprobs(model, [p], [s.output_ids], temperature)[0]
+                assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 1e-2
+                if temperature != 1.0:  # and clearly not the un-tempered ones
+                    untempered = hf_logprobs(model, [p], [s.output_ids], 1.0)[0]
+                    assert max(abs(a - b) for a, b in zip(s.logprobs, untempered, strict=True)) > 5e-2
+
+
+def test_greedy_logprobs_are_untempered(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
+    model = load_hf(tiny_ckpt)
+
+    async def go() -> list[list]:
+        async with SGLangClient(sglang_server.url) as c:
+            return await c.generate(
+                PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+            )
+
+    s = asyncio.run(go())[0][0]
+    assert s.logprob_temperature == 1.0
+    ref = hf_logprobs(model, [s.prompt_ids], [s.output_ids], 1.0)[0]
+    assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 1e-2
+
+
+def test_server_killed_mid_request_gives_clear_error(victim_server: SGLangServer) -> None:
+    async def go() -> None:
+        async with SGLangClient(victim_server.url, retries=2, backoff_s=0.2, timeout_s=60) as c:
+            params = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+            task = asyncio.ensure_future(c.generate([PROMPTS[0]] * 4, params))
+            await asyncio.sleep(1.0)
+            victim_server.kill()
+            # wait_for is only a hang guard: the error must come from the client, not from here.
+            with pytest.raises(ServerGoneError, match=victim_server.url):
+                await asyncio.wait_for(task, timeout=120)
+            with pytest.raises(ServerGoneError, match="is it still running"):
+                await asyncio.wait_for(c.generate_one(PROMPTS[0], params), timeout=120)
+
+    asyncio.run(go())
+    assert not victim_server.alive()
+
+
+def test_start_failure_names_server_and_shows_log(tmp_path: Path) -> None:
+    srv = SGLangServer(
+        ServerSpec(model_path=str(tmp_path / "no-such-model")),
+        tmp_path / "bad.log",
+        startup_timeout_s=120,
+        name="bad-server",
+    )
+    with pytest.raises(ServerStartError, match=r"bad-server:\d+ exited during start-up") as info:
+        with srv:
+            pass
+    assert "no-such-model" in str(info.value)  # the log tail says what went wrong
+    assert not srv.alive()

@@ -1,0 +1,207 @@
+"""Weight sync into a real SGLang server over gloo: full sync, validation, fake-quant FP8, pause/continue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
+
+from sglang_bridge.client import SamplingParams, SGLangClient
+from sglang_bridge.fp8 import Fp8Scheme, fake_quantize, should_quantize
+from sglang_bridge.server import SGLangServer
+from sglang_bridge.weight_sync import (
+    DistributedWeightSynchronizer,
+    Manifest,
+    ManifestMismatchError,
+    WeightSyncError,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def _generate(url: str, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list:
+    async def go() -> list:
+        async with SGLangClient(url) as c:
+            return [g[0] for g in await c.generate(prompts, params)]
+
+    return asyncio.run(go())
+
+
+def _max_delta(samples: list, model: torch.nn.Module) -> float:
+    ref = hf_logprobs(
+        model,
+        [s.prompt_ids for s in samples],
+        [s.output_ids for s in samples],
+        samples[0].logprob_temperature,
+    )
+    return max(
+        abs(a - b) for s, r in zip(samples, ref, strict=True) for a, b in zip(s.logprobs, r, strict=True)
+    )
+
+
+def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in base.items()}
+
+
+@pytest.fixture()
+def restore_v1(
+    synchronizer: DistributedWeightSynchronizer, tiny_ckpt: Path, manifest: Manifest
+) -> Iterator[dict]:
+    """The checkpoint's weights; re-synced after the test whatever it did to the server."""
+    v1 = hf_named_tensors(load_hf(tiny_ckpt, dtype=torch.bfloat16), manifest)
+    yield v1
+    synchronizer.sync(v1, version="v1-restored")
+
+
+def test_full_sync_then_logprobs_match_new_weights(
+    synchronizer, sglang_server: SGLangServer, tiny_ckpt: Path, manifest: Manifest, restore_v1: dict
+) -> None:
+    v2 = _perturbed(restore_v1, seed=1)
+    report = synchronizer.sync(v2, version="v2")
+    assert report.num_tensors == len(manifest) and report.fp8 == "none"
+    assert synchronizer.version == "v2"
+    samples = _generate(
+        sglang_server.url, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=7)
+    )
+    assert {s.weight_version for s in samples} == {"v2"}
+    new_model, old_model = load_hf(tiny_ckpt, v2), load_hf(tiny_ckpt)
+    assert _max_delta(samples, new_model) < 1e-2
+    assert _max_delta(samples, old_model) > 0.1  # the update really changed the served weights
+    # verify mode: the trainer's reference is a callable; a wrong mapping would show deltas ~1.
+    rep = synchronizer.verify(PROMPTS, lambda p, o, t: hf_logprobs(new_model, p, o, t))
+    assert rep.version == "v2" and rep.num_tokens == 8 * len(PROMPTS) and rep.ok(1e-2)
+    assert not synchronizer.verify(PROMPTS, lambda p, o, t: hf_logprobs(old_model, p, o, t)).ok(1e-2)
+
+
+@pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape", "wrong_dtype", "tied_copy", "incomplete"])
+def test_bad_update_is_rejected_and_old_version_keeps_serving(
+    fault: str, synchronizer, sglang_server, restore_v1: dict
+) -> None:
+    before = _generate(sglang_server.url, GREEDY)
+    version = synchronizer.version
+    bad = dict(_perturbed(restore_v1, seed=2))
+    name = "model.layers.0.mlp.down_proj.weight"
+    if fault == "unknown_name":
+        bad["model.layers.0.mlp.experts.gate_up_proj"] = bad.pop(name)
+    elif fault == "wrong_shape":
+        bad[name] = bad[name].t().contiguous()
+    elif fault == "wrong_dtype":
+        bad[name] = bad[name].float()
+    elif fault == "tied_copy":
+        bad["lm_head.weight"] = bad["model.embed_tokens.weight"]
+    else:
+        del bad[name]
+    with pytest.raises(ManifestMismatchError, match="nothing sent"):
+        synchronizer.sync(bad, version="bad")
+    after = _generate(sglang_server.url, GREEDY)  # not paused, same weights, same version
+    assert [s.output_ids for s in after] == [s.output_ids for s in before]
+    assert [s.logprobs for s in after] == [s.logprobs for s in before]
+    assert {s.weight_version for s in after} == {s.weight_version for s in before}
+    assert synchronizer.version == version
+
+
+def test_failed_stream_leaves_server_paused_and_retry_recovers(
+    synchronizer, sglang_server, manifest, restore_v1: dict
+) -> None:
+    v3 = _perturbed(restore_v1, seed=3)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:  # one-shot: validated tensor by tensor
+        for i, (k, v) in enumerate(v3.items()):
+            yield (k + ".typo" if i == len(v3) - 2 else k), v
+
+    small = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=120)
+    small.connect()
+    try:
+        with pytest.raises(WeightSyncError, match="PAUSED"):
+            small.sync(stream(), version="v3-broken")
+        assert asyncio.run(_version(sglang_server.url)) != "v3-broken"
+        report = small.sync(iter(list(v3.items())), version="v3")  # retry with good weights
+        assert report.num_buckets > 1
+    finally:
+        small.close()
+    samples = _generate(sglang_server.url, GREEDY)
+    assert {s.weight_version for s in samples} == {"v3"}
+    assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v3)) < 1e-2
+
+
+def _running_requests(obj: object) -> int:
+    if isinstance(obj, dict):
+        return sum(
+            v if k == "num_running_reqs" and isinstance(v, int) else _running_requests(v)
+            for k, v in obj.items()
+        )
+    if isinstance(obj, list):
+        return sum(_running_requests(v) for v in obj)
+    return 0
+
+
+def _wait_until_running(url: str, polls: int = 2000) -> None:
+    for _ in range(polls):
+        if _running_requests(httpx.get(url + "/v1/loads", timeout=10).json()) > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("requests never started running")
+
+
+async def _version(url: str) -> str:
+    async with SGLangClient(url) as c:
+        return await c.weight_version()
+
+
+def test_fp8_fake_quant_in_flattened_buckets(
+    synchronizer, sglang_server, tiny_ckpt: Path, manifest, restore_v1: dict
+) -> None:
+    scheme = Fp8Scheme("block", (32, 32))  # small blocks so the tiny 64-wide weights get several scales
+    fq = DistributedWeightSynchronizer(
+        [sglang_server.url], manifest, fp8=scheme, fp8_mode="fake", bucket_size_mb=0.05, timeout_s=120
+    )
+    fq.connect()
+    try:
+        v4 = _perturbed(restore_v1, seed=4)
+        report = fq.sync(v4, version="v4-fp8")
+    finally:
+        fq.close()
+    assert report.fp8 == "fake-quant" and report.num_buckets > 1
+    expected = {k: fake_quantize(v, scheme) if should_quantize(k, v, scheme) else v for k, v in v4.items()}
+    assert any(not torch.equal(expected[k], v4[k]) for k in v4)
+    samples = _generate(
+        sglang_server.url, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=3)
+    )
+    assert _max_delta(samples, load_hf(tiny_ckpt, expected)) < 1e-2
+
+
+def test_pause_continue_with_inflight_requests(synchronizer, sglang_server, restore_v1: dict) -> None:
+    v5 = _perturbed(restore_v1, seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+    result: dict = {}
+
+    async def generate_long() -> None:
+        async with SGLangClient(sglang_server.url) as c:
+            task = asyncio.ensure_future(c.generate([PROMPTS[0]] * 4, params))
+            result["started"].set()
+            result["samples"] = [g[0] for g in await task]
+
+    result["started"] = threading.Event()
+    t = threading.Thread(target=lambda: asyncio.run(generate_long()))
+    t.start()
+    result["started"].wait()
+    _wait_until_running(sglang_server.url)  # prefill done: each request holds >= 1 token of the old weights
+    try:
+        synchronizer.sync(v5, version="v5")  # pauses (retract) while the requests run, then continues
+    finally:
+        t.join(timeout=300)
+    samples = result["samples"]
+    # Every request finished normally, at full length, despite the update in the middle.
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 400 == len(s.logprobs) for s in samples)
+    assert all(s.weight_version == "v5" for s in samples)
+    # The version segments say which tokens came from which weights (retract recomputes the KV cache).
+    spans = [[seg["version"] for seg in s.weight_versions] for s in samples]
+    assert any(len(v) > 1 for v in spans), spans

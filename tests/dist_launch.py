@@ -1,0 +1,78 @@
+"""Launch a gloo process group of N local ranks running one scenario of ``tests/mcore_worker.py``.
+
+Start-up (Python + megatron import, ~5 s per process) dominates CPU runs, so each scenario runs many
+cases inside one launch. Each rank writes ``rank_<r>.pt``; :func:`launch` returns them in rank order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORKER = Path(__file__).with_name("mcore_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world_size: int, args: dict[str, Any] | None = None, timeout: float = 600) -> list[Any]:
+    """Run ``scenario`` on ``world_size`` gloo ranks; return each rank's result object."""
+    with tempfile.TemporaryDirectory(prefix=f"mcore_{scenario}_") as out:
+        port = _free_port()
+        procs = []
+        logs = []
+        for rank in range(world_size):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                PYTHONWARNINGS="ignore",
+            )
+            log = open(Path(out) / f"log_{rank}.txt", "w+")  # noqa: SIM115 - closed below
+            logs.append(log)
+            cmd = [sys.executable, str(WORKER), scenario, json.dumps(args or {}), out]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        deadline = time.monotonic() + timeout
+        failed = None
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                failed = "timeout"
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                failed = "a rank failed"
+                time.sleep(2)  # let the others report their side
+                break
+            time.sleep(0.2)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if failed is None and any(p.returncode != 0 for p in procs):
+            failed = "a rank failed"
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+        if failed:
+            tails = "\n".join(f"--- rank {r} (rc={procs[r].returncode}) ---\n{t[-4000:]}" for r, t in enumerate(texts))
+            raise RuntimeError(f"scenario {scenario!r} on {world_size} ranks: {failed}\n{tails}")
+        return [torch.load(Path(out) / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
