@@ -1,16 +1,18 @@
 """Fused vocab-parallel log-prob vs the naive path, same run, same inputs.
 
-    .venv/bin/python benchmarks/logprob.py [--tokens 2048] [--vocab 32000] [--tp 1] [--chunk 64]
+    .venv/bin/python benchmarks/logprob.py [--tokens 2048] [--vocab 32768] [--tp 1] [--chunk 128]
 
 naive: gather the full logits over TP, cast to float32, log_softmax, gather the targets.
-fused: ``megatron_acrl.megatron.logprobs.vocab_parallel_logprobs`` (chunked, TP all-reduces).
+fused: ``megatron_acrl.megatron.logprobs.vocab_parallel_logprobs`` as the trainer calls it
+(chunked, TP all-reduces, gradient written in place).
 
 Both run forward + backward (gradient w.r.t. the bf16 logits shard) on every TP rank (gloo
-processes). Peak *extra* memory is measured per path in a fresh process: on CPU as the peak
-resident set size (VmHWM, reset once the inputs exist and both paths are warmed up) minus the
-resident size at that point (large tensors are mmap-backed, so freed memory leaves the RSS); on GPU with ``torch.cuda.max_memory_allocated``.
-Ratios are rank 0's. The last two lines are ``memory ratio: <fused peak extra / logits shard bytes>``
-and ``time ratio: <fused / naive>``.
+processes). Time: median over alternating repetitions in one process (machine load hits both
+alike). Peak *extra* memory: per path in a fresh process; on CPU the resident-set high-water mark
+(VmHWM, reset once the inputs exist and both paths are warmed up) minus the resident size at that
+point (large tensors are mmap-backed, so freed memory leaves the RSS); on GPU
+``torch.cuda.max_memory_allocated``. Ratios are rank 0's. The last two lines are
+``memory ratio: <fused peak extra / logits shard bytes>`` and ``time ratio: <fused / naive>``.
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ def _worker(args: argparse.Namespace) -> None:
     for lo in range(0, args.tokens, 64):  # no full-size float32 temporary before the baseline
         rows = shard[lo : lo + 64]
         rows.copy_(torch.randn(rows.shape, generator=g, device=device) * 3)
-    target = torch.randint(0, args.vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).to(device)
+    target = torch.randint(0, args.vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     upstream = torch.randn(args.tokens, generator=torch.Generator().manual_seed(1)).to(device)
 
-    def naive() -> torch.Tensor:
-        leaf = shard.detach().requires_grad_(True)
+    # Each call gets its own copy of the shard (made outside the measurement) playing the model's
+    # output: the fused path overwrites it with its gradient, as in the trainer.
+    def naive(leaf: torch.Tensor) -> torch.Tensor:
         full = leaf
         if args.tp > 1:  # all-gather with autograd: each rank keeps the gradient of its own shard
             from torch.distributed.nn.functional import all_gather
@@ -87,45 +92,55 @@ def _worker(args: argparse.Namespace) -> None:
         (lp * upstream).sum().backward()
         return lp.detach()
 
-    def fused() -> torch.Tensor:
-        leaf = shard.detach().requires_grad_(True)
-        lp, _ = vocab_parallel_logprobs(leaf, target, tp_group=group, chunk_size=args.chunk)
+    def fused(leaf: torch.Tensor) -> torch.Tensor:
+        lp, _ = vocab_parallel_logprobs(
+            leaf, target, tp_group=group, chunk_size=args.chunk, inplace_backward=True
+        )
         (lp * upstream).sum().backward()
         return lp.detach()
 
-    fn = {"naive": naive, "fused": fused}[args.path]
-    small = shard[:8].detach().requires_grad_(True)  # warm-up: lazy init outside the measurement
+    small = shard[:8].detach().clone().requires_grad_(True)  # warm-up: lazy init outside the measurement
     vocab_parallel_logprobs(small, target[:8] % v_local, tp_group=None)[0].sum().backward()
     torch.log_softmax(small.float(), -1).sum().backward()
-    if gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-        _reset_peak_rss()
-    result = fn()
-    if gpu:
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
-    else:
-        extra = _peak_rss_bytes() - base
-    times = []
-    for _ in range(args.reps):
+
+    def fresh() -> torch.Tensor:
+        return shard.detach().clone().requires_grad_(True)
+
+    def run(fn, leaf: torch.Tensor) -> tuple[float, torch.Tensor]:  # noqa: ANN001
         if args.tp > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        fn()
+        out = fn(leaf.view_as(leaf))  # a non-leaf "model output" (autograd keeps its grad storage)
         if gpu:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0, out
+
+    if args.path == "time":
+        # Both paths in one process, alternating, so machine load hits them alike; median of each.
+        times: dict[str, list[float]] = {"naive": [], "fused": []}
+        checks = {}
+        for _ in range(args.reps):
+            for name, fn in (("naive", naive), ("fused", fused)):
+                seconds, out = run(fn, fresh())
+                times[name].append(seconds)
+                checks[name] = float(out.double().sum())
+        report = {k: statistics.median(v) for k, v in times.items()}
+        report["checksums"] = checks
+    else:
+        fn = {"naive": naive, "fused": fused}[args.path]
+        leaf = fresh()
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _rss_bytes()
+            _reset_peak_rss()
+        run(fn, leaf)
+        extra = (torch.cuda.max_memory_allocated() if gpu else _peak_rss_bytes()) - base
+        report = {"extra_bytes": extra, "shard_bytes": shard.numel() * shard.element_size()}
     if rank == 0:
-        print(json.dumps({
-            "extra_bytes": extra,
-            "shard_bytes": shard.numel() * shard.element_size(),
-            "seconds": statistics.median(times),
-            "checksum": float(result.double().sum()),
-        }))
+        print(json.dumps(report))
     if args.tp > 1:
         dist.destroy_process_group()
 
@@ -136,10 +151,31 @@ def _measure(path: str, args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     procs = []
     for rank in range(args.tp):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.tp), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
-        cmd = [sys.executable, __file__, "--worker", "--path", path, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--tp", str(args.tp), "--chunk", str(args.chunk), "--reps", str(args.reps)]
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(args.tp),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONWARNINGS="ignore",
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--path",
+            path,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--tp",
+            str(args.tp),
+            "--chunk",
+            str(args.chunk),
+            "--reps",
+            str(args.reps),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -152,23 +188,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens (rows of logits) per rank")
     ap.add_argument("--vocab", type=int, default=32768, help="full vocabulary (split over --tp ranks)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes on CPU)")
-    ap.add_argument("--chunk", type=int, default=64, help="tokens per chunk of the fused path")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--chunk", type=int, default=128, help="tokens per chunk of the fused path")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions of each path (median)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--path", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--path", choices=["naive", "fused", "time"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         _worker(args)
         return
-    naive, fused = _measure("naive", args), _measure("fused", args)
+    naive, fused, timing = _measure("naive", args), _measure("fused", args), _measure("time", args)
+    naive["seconds"], fused["seconds"] = timing["naive"], timing["fused"]
     shard = fused["shard_bytes"]
-    rel = abs(fused["checksum"] - naive["checksum"]) / max(abs(naive["checksum"]), 1e-9)
-    print(f"logits shard: {args.tokens} x {args.vocab // args.tp} bf16 = {shard / 2**20:.1f} MiB, tp={args.tp}, "
-          f"fused chunk={args.chunk} tokens")
-    print(f"naive: peak extra {naive['extra_bytes'] / 2**20:8.1f} MiB ({naive['extra_bytes'] / shard:.2f}x shard), "
-          f"fwd+bwd {naive['seconds'] * 1e3:8.1f} ms")
-    print(f"fused: peak extra {fused['extra_bytes'] / 2**20:8.1f} MiB ({fused['extra_bytes'] / shard:.2f}x shard), "
-          f"fwd+bwd {fused['seconds'] * 1e3:8.1f} ms")
+    check = timing["checksums"]
+    rel = abs(check["fused"] - check["naive"]) / max(abs(check["naive"]), 1e-9)
+    mib = 2**20
+    print(
+        f"logits shard: {args.tokens} x {args.vocab // args.tp} bf16 = {shard / mib:.1f} MiB, tp={args.tp}, "
+        f"fused chunk={args.chunk} tokens"
+    )
+    for name, r in (("naive", naive), ("fused", fused)):
+        print(
+            f"{name}: peak extra {r['extra_bytes'] / mib:8.1f} MiB ({r['extra_bytes'] / shard:.2f}x shard), "
+            f"fwd+bwd {r['seconds'] * 1e3:8.1f} ms"
+        )
     print(f"checksum agreement (sum of log-probs): rel diff {rel:.1e}")
     print(f"memory ratio: {fused['extra_bytes'] / shard:.3f}")
     print(f"time ratio: {fused['seconds'] / naive['seconds']:.3f}")

@@ -46,17 +46,26 @@ def load_named(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
 
 
 def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
-    """One request + one broadcast of pre-flattened bytes; returns seconds."""
+    """begin -> one request + one broadcast of pre-flattened bytes -> end; returns seconds.
+
+    begin/end are part of the minimal protocol: without them SGLang 0.5.23 answers 400 and never
+    joins the broadcast."""
     client = sync._clients[0]
+    assert sync.group is not None
     t0 = time.perf_counter()
+    sync._run(client.begin_weight_update())
     fut = sync._submit(
         client.update_weights_from_distributed(
             flat.names, flat.dtypes, flat.shapes, sync.group_name, load_format="flattened_bucket"
         )
     )
-    assert sync.group is not None
-    broadcast_async(flat.flat, sync.group).wait()
+    work = broadcast_async(flat.flat, sync.group)
+    while not work.is_completed():  # never wait blindly on a broadcast the server may not join
+        if fut.done() and fut.exception() is not None:
+            raise RuntimeError(f"server refused the raw transfer: {fut.exception()}")
+        time.sleep(0.0005)
     r = fut.result()
+    sync._run(client.end_weight_update())
     dt = time.perf_counter() - t0
     assert r.get("success"), r
     return dt
@@ -113,7 +122,7 @@ def main() -> None:
     spec = ServerSpec(model_path=str(ckpt), device="cpu")
     with SGLangServer(spec, work / "sglang.log") as srv:
         sync = DistributedWeightSynchronizer(
-            [srv.url], manifest, fp8=scheme, fp8_mode="fake", bucket_size_mb=args.bucket_mb, timeout_s=600
+            [srv.url], manifest, fp8=scheme, fp8_mode="fake", bucket_size_mb=args.bucket_mb, timeout_s=120
         )
         sync.connect()
         try:

@@ -55,7 +55,7 @@ def describe(rc: int) -> str:
             return f"killed by signal {rc - 128}"
         extra = {
             "SIGKILL": " (out of memory, or SLURM killed it: time limit, or another rank failed)",
-            "SIGTERM": " (stopped before it could checkpoint, or SLURM terminated it after another rank failed)",
+            "SIGTERM": " (stopped before it could checkpoint, or by SLURM after another rank failed)",
             "SIGSEGV": " (crash in native code)",
             "SIGABRT": " (abort in native code, e.g. a failed NCCL/CUDA check)",
         }.get(name, "")

@@ -157,7 +157,9 @@ def plan_job(
                 )
             )
         if ranks_per_node is not None and ranks_per_node != rpn:
-            errors.append(("--ranks-per-node", f"GPU jobs run one rank per trainer GPU ({rpn}); drop the flag"))
+            errors.append(
+                ("--ranks-per-node", f"GPU jobs run one rank per trainer GPU ({rpn}); drop the flag")
+            )
     else:
         default = p.world_size if (p.world_size and trainer_nodes == 1) else p.tp * p.pp * (p.dp or 1)
         rpn = ranks_per_node or default

@@ -31,7 +31,9 @@ class ServerSlot:
     gpu_ids: tuple[int, ...] | None
 
 
-def server_slot(cfg: Config, host: str, port: int | None = None, env: dict[str, str] | None = None) -> ServerSlot:
+def server_slot(
+    cfg: Config, host: str, port: int | None = None, env: dict[str, str] | None = None
+) -> ServerSlot:
     """Slot of the server run by this srun task (from SLURM_PROCID / SLURM_LOCALID / CUDA_VISIBLE_DEVICES)."""
     env = dict(os.environ if env is None else env)
     index = int(env.get("SLURM_PROCID", "0"))
@@ -51,7 +53,9 @@ def server_command(cfg: Config, slot: ServerSlot, api_key: str | None) -> tuple[
     from sglang_bridge.server import ServerSpec
 
     if cfg.model.hf_path is None:
-        raise ConfigError([("model.hf_path", "a server started by the job script needs an HF checkpoint to serve")])
+        raise ConfigError(
+            [("model.hf_path", "a server started by the job script needs an HF checkpoint to serve")]
+        )
     device = cfg.rollout.device
     if device == "auto":
         device = "cuda" if slot.gpu_ids or os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
@@ -94,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return CONFIG_ERROR
     shown = ["<api-key>" if i and cmd[i - 1] == "--api-key" else c for i, c in enumerate(cmd)]
-    print(f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(shown)}", flush=True)
+    print(
+        f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(shown)}",
+        flush=True,
+    )
     if args.print:
         return 0
     os.execvpe(cmd[0], cmd, env)

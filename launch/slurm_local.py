@@ -71,7 +71,9 @@ def ensure_installed(allow_apt: bool = True) -> None:
     if not allow_apt:
         raise SlurmUnavailable("slurmctld not installed (apt-get install slurm-wlm)")
     if not _is_root() or not shutil.which("apt-get"):
-        raise SlurmUnavailable("slurmctld not installed and cannot apt-get install slurm-wlm (needs root + apt)")
+        raise SlurmUnavailable(
+            "slurmctld not installed and cannot apt-get install slurm-wlm (needs root + apt)"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm"]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -197,7 +199,9 @@ def is_up(d: Path = DEFAULT_DIR) -> bool:
     return state is not None and state.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
 
 
-def up(d: Path = DEFAULT_DIR, gpus: int = FAKE_GPUS, timeout_s: float = 30.0, allow_apt: bool = True) -> LocalCluster:
+def up(
+    d: Path = DEFAULT_DIR, gpus: int = FAKE_GPUS, timeout_s: float = 30.0, allow_apt: bool = True
+) -> LocalCluster:
     """Start the cluster in ``d`` (or reuse the running one) and wait until the node is idle."""
     if is_up(d):
         return LocalCluster(d, started=False)

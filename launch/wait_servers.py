@@ -97,11 +97,15 @@ def wait_for_servers(
             raise ServersNotReady(_message(urls, fatal, "refused the trainer", log_hint), fatal)
         if watch_pid is not None and not _pid_alive(watch_pid):
             raise ServersNotReady(
-                _message(urls, pending, f"exited before becoming healthy (process {watch_pid} is gone)", log_hint),
+                _message(
+                    urls, pending, f"exited before becoming healthy (process {watch_pid} is gone)", log_hint
+                ),
                 pending,
             )
         if time.monotonic() >= deadline:
-            raise ServersNotReady(_message(urls, pending, f"did not come up within {timeout_s:.0f} s", log_hint), pending)
+            raise ServersNotReady(
+                _message(urls, pending, f"did not come up within {timeout_s:.0f} s", log_hint), pending
+            )
         time.sleep(poll_s)
 
 
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("urls", nargs="+", help="server base URLs, e.g. http://node3:30000")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all servers")
     ap.add_argument("--api-key-env", default=None, help="environment variable holding the servers' API key")
-    ap.add_argument("--watch-pid", type=int, default=None, help="stop waiting when this process (the servers' srun) exits")
+    ap.add_argument(
+        "--watch-pid", type=int, default=None, help="stop waiting when this process (the servers' srun) exits"
+    )
     ap.add_argument("--log-hint", default=None, help="format string of a server's log path ({index}, {url})")
     ap.add_argument("--poll", type=float, default=1.0, help="seconds between probes")
     args = ap.parse_args(argv)
@@ -135,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServersNotReady as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return SERVERS_UNAVAILABLE
-    print(f"all {len(args.urls)} rollout server(s) healthy after {time.monotonic() - start:.1f} s", flush=True)
+    print(
+        f"all {len(args.urls)} rollout server(s) healthy after {time.monotonic() - start:.1f} s", flush=True
+    )
     return 0
 
 

@@ -308,6 +308,19 @@ class RolloutConfig(_Section):
     bucket_size_mb: int = 512
     """Weight-sync bucket size in MiB."""
 
+    fp8_mode: Literal["auto", "real", "fake"] = "auto"
+    """How an FP8 quantization reaches the servers: real (e4m3 weights + scales, FP8 server), fake
+    (quantize -> dequantize, FP8-rounded bf16 on a bf16 server; labelled fake-quant in metrics),
+    auto (real on cuda servers, fake on cpu servers, which cannot serve FP8)."""
+
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
+    """How generation pauses during a weight update: retract (requeue in-flight requests, KV recomputed
+    with the new weights), abort (end them, finish_reason abort), in_place (keep their old KV cache)."""
+
+    original_logprobs: bool = False
+    """Servers return log-probs of the unscaled logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1); default
+    False: log softmax(logits / temperature), SGLang's default."""
+
     max_concurrency: int = 64
     """Concurrent /generate requests per server."""
 

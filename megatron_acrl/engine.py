@@ -23,7 +23,7 @@ import torch
 from megatron_acrl.config import Config
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme
-from sglang_bridge.server import SGLangServer, ServerSpec
+from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
 GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
@@ -187,7 +187,7 @@ class RolloutEngine:
         """Restart dead local servers and reconnect the update group (weights must be re-sent)."""
         if not self.servers:
             raise ServerGoneError(
-                f"an external SGLang server ({', '.join(self.urls)}) is gone; the launch script restarts those"
+                f"an external SGLang server ({', '.join(self.urls)}) is gone (launch scripts own those)"
             )
         if self.sync is not None:
             try:

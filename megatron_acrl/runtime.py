@@ -209,7 +209,6 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
     task = make_task(cfg.task)
     if cfg.training.sft_steps > 0:
         from megatron_acrl.sft import sft_warmstart
-
         from megatron_acrl.tiny_model import default_cache_dir
 
         # Tiny local models share one cache (every arm of a study reuses the warm start).

@@ -14,10 +14,11 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from megatron_acrl.advantages import compute_advantages, minibatches
 from megatron_acrl.checkpoint import DriverState, load_driver_state, save_checkpoint
-from megatron_acrl.config import ConfigError, config_to_dict, load_config
+from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.rollout import collect_rollouts, evaluate, log_extras
 from megatron_acrl.runtime import RunContext, setup_run
 
@@ -83,18 +84,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        cfg.check_paths()
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+def run(
+    cfg: Config, args: argparse.Namespace, prepare: Callable[[RunContext], None] | None = None
+) -> DriverState:
+    """Set up, resume, train, checkpoint, clean up. ``prepare`` sees the context before the first
+    step (tests use it to inject faults)."""
     ctx = setup_run(cfg, args)
     # SIGTERM (preemption): finish the step, checkpoint, exit 0; the launch script requeues the job.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: ctx.request_stop())
     try:
+        if prepare is not None:
+            prepare(ctx)
         state = load_driver_state(ctx)
         ctx.start_logging(config_to_dict(cfg), state)
         ctx.sync_weights(state.weight_version)  # the servers start from the initial weights
@@ -105,6 +105,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True)
     finally:
         ctx.close()
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.check_paths()
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    run(cfg, args)
     return 0
 
 

@@ -308,8 +308,9 @@ class SGLangClient:
     async def continue_generation(self) -> Any:
         return await self._post("/continue_generation", {})
 
-    async def flush_cache(self, attempts: int = 20, wait_s: float = 0.25) -> None:
-        """Flush the radix cache; SGLang answers 400 while requests run, so retry a few times."""
+    async def flush_cache(self, attempts: int = 30, wait_s: float = 0.01) -> None:
+        """Flush the radix cache. SGLang answers 400 while requests are still being retracted or
+        aborted after a pause, so retry with backoff (``wait_s`` doubling up to 0.5 s)."""
         for i in range(attempts):
             try:
                 await self._post("/flush_cache")
@@ -317,7 +318,7 @@ class SGLangClient:
             except SGLangHTTPError as e:
                 if e.status != 400 or i == attempts - 1:
                     raise
-                await asyncio.sleep(wait_s)
+                await asyncio.sleep(min(wait_s * 2**i, 0.5))
 
     async def begin_weight_update(self) -> Any:
         return await self._post("/begin_weight_update", {})

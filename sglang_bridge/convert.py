@@ -108,13 +108,20 @@ def _rules(info: ArchInfo) -> list[Rule]:
         Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
         Rule(a + "linear_qkv.weight", (h + "q_proj.weight", h + "k_proj.weight", h + "v_proj.weight"), "qkv"),
         Rule(a + "linear_proj.weight", (h + "o_proj.weight",)),
-        Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",)),
+        Rule(
+            "decoder.layers.{L}.pre_mlp_layernorm.weight",
+            ("model.layers.{L}.post_attention_layernorm.weight",),
+        ),
     ]
     if info.add_qkv_bias:
-        rules.append(Rule(a + "linear_qkv.bias", (h + "q_proj.bias", h + "k_proj.bias", h + "v_proj.bias"), "qkv"))
+        rules.append(
+            Rule(a + "linear_qkv.bias", (h + "q_proj.bias", h + "k_proj.bias", h + "v_proj.bias"), "qkv")
+        )
     if info.qk_layernorm:
-        rules += [Rule(a + "q_layernorm.weight", (h + "q_norm.weight",)),
-                  Rule(a + "k_layernorm.weight", (h + "k_norm.weight",))]
+        rules += [
+            Rule(a + "q_layernorm.weight", (h + "q_norm.weight",)),
+            Rule(a + "k_layernorm.weight", (h + "k_norm.weight",)),
+        ]
     m, hm = "decoder.layers.{L}.mlp.", "model.layers.{L}.mlp."
     if info.num_experts:
         e, he = m + "experts.local_experts.{E}.", hm + "experts.{E}."
@@ -175,9 +182,13 @@ def canonical_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> 
         name = pattern.sub(local, name)
     name = _GROUPED_EXPERT.sub(lambda m: f"mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight", name)
     if layer_offset:
-        name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+        name = re.sub(
+            r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name
+        )
     if expert_offset:
-        name = re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
+        name = re.sub(
+            r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name
+        )
     return name
 
 
@@ -274,8 +285,15 @@ def megatron_names(info: ArchInfo) -> list[str]:
         experts = range(info.num_experts) if "{E}" in rule.megatron else [None]
         for layer in layers:
             for expert in experts:
-                names.append(_fill(rule.megatron, {"L": str(layer) if layer is not None else "",
-                                                   "E": str(expert) if expert is not None else ""}))
+                names.append(
+                    _fill(
+                        rule.megatron,
+                        {
+                            "L": str(layer) if layer is not None else "",
+                            "E": str(expert) if expert is not None else "",
+                        },
+                    )
+                )
     return names
 
 

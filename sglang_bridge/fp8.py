@@ -125,6 +125,33 @@ def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
     return (exp << 23).view(torch.float32)
 
 
+def _blocks(w: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, int, int]:
+    """fp32 ``[nb, bn, kb, bk]`` block view of ``w [N, K]`` (zero-padded to whole blocks) and (N, K)."""
+    if w.dim() != 2:
+        raise ValueError(f"block quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    bn, bk = block_size
+    pn, pk = (-n) % bn, (-k) % bk
+    x = w.float()
+    if pn or pk:  # zero padding never raises a block's amax
+        x = torch.nn.functional.pad(x, (0, pk, 0, pn))
+    return x.view((n + pn) // bn, bn, (k + pk) // bk, bk), n, k
+
+
+def _quantize_blocks(blocks: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_(min=_AMAX_EPS)
+    scale = amax / FP8_MAX
+    if ue8m0:
+        scale = _ue8m0(scale)
+    return (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _unblock(x: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    nb, bn, kb, bk = x.shape
+    x = x.view(nb * bn, kb * bk)
+    return x if x.shape == (n, k) else x[:n, :k].contiguous()
+
+
 def quantize_block(
     w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,24 +161,9 @@ def quantize_block(
     ``w ~= q.float() * scale_inv`` expanded over its ``bn x bk`` block; ``scale_inv = amax / 448``
     (power-of-two rounded up with ``ue8m0``, so no value exceeds 448 after scaling).
     """
-    if w.dim() != 2:
-        raise ValueError(f"block quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-    n, k = w.shape
-    bn, bk = block_size
-    pn, pk = (-n) % bn, (-k) % bk
-    x = w.float()
-    if pn or pk:  # zero padding never raises a block's amax
-        x = torch.nn.functional.pad(x, (0, pk, 0, pn))
-    nb, kb = (n + pn) // bn, (k + pk) // bk
-    blocks = x.view(nb, bn, kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_(min=_AMAX_EPS)
-    scale = amax / FP8_MAX
-    if ue8m0:
-        scale = _ue8m0(scale)
-    q = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(n + pn, k + pk)
-    if pn or pk:
-        q = q[:n, :k]
-    return q.contiguous(), scale.view(nb, kb).contiguous()
+    blocks, n, k = _blocks(w, block_size)
+    q, scale = _quantize_blocks(blocks, ue8m0)
+    return _unblock(q, n, k), scale.view(blocks.shape[0], blocks.shape[2]).contiguous()
 
 
 def dequantize_block(
@@ -161,10 +173,18 @@ def dequantize_block(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_block`: ``q [N, K]``, ``scale_inv [nb, kb]`` -> ``[N, K]`` in ``dtype``."""
-    n, k = q.shape
-    bn, bk = block_size
-    s = scale_inv.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:n, :k]
-    return (q.float() * s).to(dtype)
+    blocks, n, k = _blocks(q, block_size)
+    s = scale_inv.float().view(blocks.shape[0], 1, blocks.shape[2], 1)
+    return _unblock(blocks * s, n, k).to(dtype)  # not in place: blocks may alias a float32 q
+
+
+def fake_quantize_block(
+    w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
+) -> torch.Tensor:
+    """``dequantize_block(quantize_block(w))`` in ``w.dtype`` without materialising the expanded scales."""
+    blocks, n, k = _blocks(w, block_size)
+    q, scale = _quantize_blocks(blocks, ue8m0)
+    return _unblock(q.float().mul_(scale), n, k).to(w.dtype)
 
 
 def quantize_per_tensor(w: torch.Tensor, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +234,8 @@ def dequantize(
 
 def fake_quantize(w: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:
     """``dequantize(quantize(w))`` in ``w.dtype``: FP8 weight rounding for a bf16 server (fake-quant)."""
+    if scheme.granularity == "block":
+        return fake_quantize_block(w, scheme.block_size, ue8m0=scheme.ue8m0)
     q, s = quantize(w, scheme)
     return dequantize(q, s, scheme, w.dtype)
 
@@ -249,6 +271,7 @@ __all__ = [
     "dequantize_block",
     "dequantize_scaled",
     "fake_quantize",
+    "fake_quantize_block",
     "quantize",
     "quantize_block",
     "quantize_named_tensors",

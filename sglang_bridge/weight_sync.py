@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
+import queue
 import struct
 import threading
 import time
@@ -242,10 +244,12 @@ def create_update_group(
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    store, _, _ = next(
-        dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    # A TCPStore built directly, not dist.rendezvous("tcp://..."): under torchrun the rendezvous
+    # handler sees TORCHELASTIC_USE_AGENT_STORE and joins the *agent's* store as a client instead of
+    # hosting this one, so trainer and servers would all wait for a host that never comes.
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
-    store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -482,18 +486,22 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
 
     # -- sync -----------------------------------------------------------------------------
     def _buffer(self, i: int, nbytes: int) -> torch.Tensor:
+        """Reusable flat send buffer ``i`` (grow-only, so steady-state syncs allocate nothing)."""
         while len(self._bufs) <= i:
             self._bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if self._bufs[i].numel() < nbytes:
-            self._bufs[i] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+            self._bufs[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._bufs[i]
 
-    def _buckets(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool
+    def _groups(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stop: threading.Event
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Consecutive tensors grouped up to ``bucket_bytes`` (a larger tensor gets its own bucket)."""
         cur: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, t in tensors:
+            if stop.is_set():
+                return
             if not checked and (err := self.manifest.check(name, tuple(t.shape), t.dtype)) is not None:
                 raise ManifestMismatchError(f"refusing tensor mid-stream: {err}")
             nb = t.numel() * t.element_size()
@@ -505,10 +513,52 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         if cur:
             yield cur
 
-    def _send_bucket(self, items: list[tuple[str, torch.Tensor]], buf_index: int) -> int:
+    def _prepared_buckets(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool
+    ) -> Iterator[tuple[_Bucket, int]]:
+        """Packed buckets, prepared one ahead on a worker thread.
+
+        The worker pulls tensors (running the FP8 step and any lazy conversion of the caller's
+        stream) and packs bucket k+1 into the second of two send buffers while bucket k is being
+        broadcast and loaded by the servers, so that work hides behind the transfer.
+        """
+        free: queue.Queue[int] = queue.Queue()
+        for i in (0, 1):
+            free.put(i)
+        ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        done = object()
+
+        def work() -> None:
+            try:
+                for items in self._groups(tensors, checked, stop):
+                    idx = free.get()
+                    if stop.is_set():
+                        return
+                    nbytes = sum(t.numel() * t.element_size() for _, t in items)
+                    ready.put((_Bucket(items, self._buffer(idx, nbytes)), idx))
+                ready.put(done)
+            except BaseException as e:  # forwarded to the sending thread
+                ready.put(e)
+
+        worker = threading.Thread(target=work, name="weight-sync-pack", daemon=True)
+        worker.start()
+        try:
+            while (item := ready.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                free.put(item[1])  # the consumer has finished sending from this buffer
+        finally:
+            stop.set()
+            free.put(0)  # unblock a worker waiting for a buffer
+            while worker.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    ready.get(timeout=0.05)  # unblock a worker waiting to hand over
+            worker.join()
+
+    def _send_bucket(self, bucket: _Bucket) -> int:
         assert self.group is not None
-        nbytes = sum(t.numel() * t.element_size() for _, t in items)
-        bucket = _Bucket(items, self._buffer(buf_index, nbytes))
 
         async def post_all() -> list[Any]:
             return list(
@@ -567,18 +617,22 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         t = time.perf_counter()
         self._all("pause_generation", self.pause_mode)
         self._dirty = True
+        timings["pause"] = time.perf_counter() - t
+        t = time.perf_counter()
         self._all("flush_cache")
+        timings["flush"] = time.perf_counter() - t
+        t = time.perf_counter()
         self._begin()
-        timings["pause_begin"] = time.perf_counter() - t
+        timings["begin"] = time.perf_counter() - t
         n_tensors = n_bytes = n_buckets = 0
         sent: set[str] = set()
         try:
             t = time.perf_counter()
-            for i, bucket in enumerate(self._buckets(stream, checked)):
-                n_bytes += self._send_bucket(bucket, i % 2)
-                n_tensors += len(bucket)
+            for bucket, _ in self._prepared_buckets(stream, checked):
+                n_bytes += self._send_bucket(bucket)
+                n_tensors += len(bucket.names)
                 n_buckets += 1
-                sent.update(n for n, _ in bucket)
+                sent.update(bucket.names)
             timings["buckets"] = time.perf_counter() - t
             if not checked and self.require_complete:
                 missing = set(self.manifest.tensors) - sent

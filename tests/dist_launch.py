@@ -28,7 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, world_size: int, args: dict[str, Any] | None = None, timeout: float = 600) -> list[Any]:
+def launch(
+    scenario: str, world_size: int, args: dict[str, Any] | None = None, timeout: float = 600
+) -> list[Any]:
     """Run ``scenario`` on ``world_size`` gloo ranks; return each rank's result object."""
     with tempfile.TemporaryDirectory(prefix=f"mcore_{scenario}_") as out:
         port = _free_port()
@@ -73,6 +75,8 @@ def launch(scenario: str, world_size: int, args: dict[str, Any] | None = None, t
             texts.append(log.read())
             log.close()
         if failed:
-            tails = "\n".join(f"--- rank {r} (rc={procs[r].returncode}) ---\n{t[-4000:]}" for r, t in enumerate(texts))
+            tails = "\n".join(
+                f"--- rank {r} (rc={procs[r].returncode}) ---\n{t[-4000:]}" for r, t in enumerate(texts)
+            )
             raise RuntimeError(f"scenario {scenario!r} on {world_size} ranks: {failed}\n{tails}")
         return [torch.load(Path(out) / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]

@@ -36,34 +36,73 @@ MODELS: dict[str, dict[str, Any]] = {
     # Qwen2-style: QKV bias, tied embeddings.
     "qwen2": dict(family="qwen2", tie_embeddings=True, add_qkv_bias=True),
     # Qwen3-style: QK-norm, no bias, untied, explicit head_dim; with a KL-to-reference term.
-    "qwen3": dict(family="qwen3", tie_embeddings=False, add_qkv_bias=False, qk_layernorm=True, kv_channels=32),
+    "qwen3": dict(
+        family="qwen3", tie_embeddings=False, add_qkv_bias=False, qk_layernorm=True, kv_channels=32
+    ),
     # Qwen3-MoE: 4 experts top-2, aux loss.
-    "moe": dict(family="qwen3_moe", tie_embeddings=False, add_qkv_bias=False, qk_layernorm=True, num_experts=4,
-                moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01),
+    "moe": dict(
+        family="qwen3_moe",
+        tie_embeddings=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=0.01,
+    ),
     # ... plus a shared expert (Megatron-only semantics: HF Qwen3-MoE has none).
-    "moe_shared": dict(family="qwen3_moe", tie_embeddings=False, add_qkv_bias=False, qk_layernorm=True,
-                       num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-                       moe_shared_expert_ffn_hidden_size=32, moe_aux_loss_coeff=0.01),
+    "moe_shared": dict(
+        family="qwen3_moe",
+        tie_embeddings=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_ffn_hidden_size=32,
+        moe_aux_loss_coeff=0.01,
+    ),
 }
 HF_PARITY = ("qwen2", "qwen3", "moe")
 
 
 def make_config(kind: str, layout: dict[str, Any]):
-    model = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                 vocab_size=320, max_position_embeddings=128, params_dtype="fp32", **MODELS[kind])
-    parallel = {k: v for k, v in layout.items() if k in ("tp", "pp", "vpp", "ep", "sequence_parallel",
-                                                          "distributed_optimizer")}
-    return config_from_dict({
-        "model": model,
-        "parallel": parallel,
-        "rollout": {"temperature": 0.8, "max_new_tokens": 12},
-        # First Adam step with eps >> |g|: update = -lr * g / (|g| + eps) ~= -g, a strictly monotone
-        # function of the gradient (and the distributed optimizer supports only Adam). No clipping.
-        "training": {"lr": 1e3, "adam_eps": 1e3, "grad_clip": 1e6, "weight_decay": 0.0,
-                     "micro_batch_size": MBS, "logprob_chunk_size": 5, "seed": SEED},
-        "algorithm": {"entropy_coef": 0.01, "kl_coef": 0.05 if kind == "qwen3" else 0.0},
-        "correction": {"method": "acrl", "gamma": 0.65},
-    })
+    model = dict(
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=320,
+        max_position_embeddings=128,
+        params_dtype="fp32",
+        **MODELS[kind],
+    )
+    parallel = {
+        k: v
+        for k, v in layout.items()
+        if k in ("tp", "pp", "vpp", "ep", "sequence_parallel", "distributed_optimizer")
+    }
+    return config_from_dict(
+        {
+            "model": model,
+            "parallel": parallel,
+            "rollout": {"temperature": 0.8, "max_new_tokens": 12},
+            # First Adam step with eps >> |g|: update = -lr * g / (|g| + eps) ~= -g, a strictly monotone
+            # function of the gradient (and the distributed optimizer supports only Adam). No clipping.
+            "training": {
+                "lr": 1e3,
+                "adam_eps": 1e3,
+                "grad_clip": 1e6,
+                "weight_decay": 0.0,
+                "micro_batch_size": MBS,
+                "logprob_chunk_size": 5,
+                "seed": SEED,
+            },
+            "algorithm": {"entropy_coef": 0.01, "kl_coef": 0.05 if kind == "qwen3" else 0.0},
+            "correction": {"method": "acrl", "gamma": 0.65},
+        }
+    )
 
 
 def make_batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -80,8 +119,14 @@ def make_batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "loss_mask": mask, "advantages": adv.contiguous(), "noise": noise}
 
 
-def run_case(kind: str, layout: dict[str, Any], init: dict[str, torch.Tensor] | None,
-             negative: bool = False, checkpoint_dir: str | None = None, hf_dir: str | None = None) -> dict[str, Any]:
+def run_case(
+    kind: str,
+    layout: dict[str, Any],
+    init: dict[str, torch.Tensor] | None,
+    negative: bool = False,
+    checkpoint_dir: str | None = None,
+    hf_dir: str | None = None,
+) -> dict[str, Any]:
     """One layout: forward-only log-probs, two controller updates, one optimizer step, export."""
     from megatron_acrl.megatron.trainer import Trainer, initialize_parallel
     from sglang_bridge import convert
@@ -157,8 +202,13 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
     ref = torch.load(args["reference"], weights_only=False)
     results = {}
     for case in args["cases"]:
-        res = run_case(case["kind"], case["layout"], ref[case["kind"]]["init"], negative=case.get("negative", False),
-                       checkpoint_dir=case.get("checkpoint_dir"))
+        res = run_case(
+            case["kind"],
+            case["layout"],
+            ref[case["kind"]]["init"],
+            negative=case.get("negative", False),
+            checkpoint_dir=case.get("checkpoint_dir"),
+        )
         results[case["name"]] = res
     return results
 
@@ -176,8 +226,15 @@ def scenario_logprobs(args: dict[str, Any]) -> dict[str, Any]:
             g_lp = torch.randn(3, 9, generator=g)
             g_ent = torch.randn(3, 9, generator=g)
             shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
-            lp, ent = vocab_parallel_logprobs(shard, target, tp_group=dist.group.WORLD, vocab_size=vocab,
-                                              temperature=temperature, chunk_size=chunk, with_entropy=True)
+            lp, ent = vocab_parallel_logprobs(
+                shard,
+                target,
+                tp_group=dist.group.WORLD,
+                vocab_size=vocab,
+                temperature=temperature,
+                chunk_size=chunk,
+                with_entropy=True,
+            )
             (lp * g_lp + ent * g_ent).sum().backward()
             grads = [torch.empty_like(shard.grad) for _ in range(tp)]
             dist.all_gather(grads, shard.grad)

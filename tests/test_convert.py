@@ -12,10 +12,21 @@ FAMILIES = {
     "llama": ModelConfig(family="llama", add_qkv_bias=False, tie_embeddings=False, num_layers=2),
     "qwen2": ModelConfig(family="qwen2", add_qkv_bias=True, tie_embeddings=True, num_layers=2),
     "qwen3": ModelConfig(family="qwen3", add_qkv_bias=False, qk_layernorm=True, kv_channels=24, num_layers=2),
-    "qwen3_moe": ModelConfig(family="qwen3_moe", add_qkv_bias=False, qk_layernorm=True, num_experts=4,
-                             tie_embeddings=False, num_layers=2),
-    "qwen3_moe_shared": ModelConfig(family="qwen3_moe", add_qkv_bias=False, num_experts=4, num_layers=2,
-                                    moe_shared_expert_ffn_hidden_size=48),
+    "qwen3_moe": ModelConfig(
+        family="qwen3_moe",
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        num_experts=4,
+        tie_embeddings=False,
+        num_layers=2,
+    ),
+    "qwen3_moe_shared": ModelConfig(
+        family="qwen3_moe",
+        add_qkv_bias=False,
+        num_experts=4,
+        num_layers=2,
+        moe_shared_expert_ffn_hidden_size=48,
+    ),
 }
 
 
@@ -28,12 +39,20 @@ def _hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (m.vocab_size, h)
     for layer in range(m.num_layers):
         p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (ng * d, h),
-                   p + "self_attn.v_proj.weight": (ng * d, h), p + "self_attn.o_proj.weight": (h, nh * d)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, h),
+            p + "self_attn.k_proj.weight": (ng * d, h),
+            p + "self_attn.v_proj.weight": (ng * d, h),
+            p + "self_attn.o_proj.weight": (h, nh * d),
+        }
         if m.add_qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (nh * d,), p + "self_attn.k_proj.bias": (ng * d,),
-                       p + "self_attn.v_proj.bias": (ng * d,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (nh * d,),
+                p + "self_attn.k_proj.bias": (ng * d,),
+                p + "self_attn.v_proj.bias": (ng * d,),
+            }
         if m.qk_layernorm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if m.num_experts:
@@ -41,16 +60,25 @@ def _hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             for e in range(m.num_experts):
                 q = f"{p}mlp.experts.{e}."
                 f = m.moe_ffn_hidden_size
-                shapes |= {q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h),
-                           q + "down_proj.weight": (h, f)}
+                shapes |= {
+                    q + "gate_proj.weight": (f, h),
+                    q + "up_proj.weight": (f, h),
+                    q + "down_proj.weight": (h, f),
+                }
             if m.moe_shared_expert_ffn_hidden_size:
                 q, f = p + "mlp.shared_expert.", m.moe_shared_expert_ffn_hidden_size
-                shapes |= {q + "gate_proj.weight": (f, h), q + "up_proj.weight": (f, h),
-                           q + "down_proj.weight": (h, f)}
+                shapes |= {
+                    q + "gate_proj.weight": (f, h),
+                    q + "up_proj.weight": (f, h),
+                    q + "down_proj.weight": (h, f),
+                }
         else:
             f = m.ffn_hidden_size
-            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)}
+            shapes |= {
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
     return shapes
 
 
@@ -66,7 +94,7 @@ def test_round_trip_hf_megatron_hf_is_exact(family):
     for name in convert.megatron_names(info):
         full = convert.hf_to_megatron(name, hf.__getitem__, info, padded_vocab=padded)
         if "word_embeddings" in name or "output_layer" in name:
-            assert full.shape[0] == padded and torch.count_nonzero(full[m.vocab_size:]) == 0
+            assert full.shape[0] == padded and torch.count_nonzero(full[m.vocab_size :]) == 0
         for hf_name, t in convert.megatron_to_hf(name, full, info):
             assert hf_name not in back, f"{hf_name} exported twice"
             back[hf_name] = t
@@ -92,33 +120,59 @@ def test_qkv_is_interleaved_per_query_group():
     q = (100 + torch.arange(4 * d)).float()[:, None].expand(-1, h)
     k = (200 + torch.arange(2 * d)).float()[:, None].expand(-1, h)
     v = (300 + torch.arange(2 * d)).float()[:, None].expand(-1, h)
-    src = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
-           "model.layers.0.self_attn.v_proj.weight": v}
+    src = {
+        "model.layers.0.self_attn.q_proj.weight": q,
+        "model.layers.0.self_attn.k_proj.weight": k,
+        "model.layers.0.self_attn.v_proj.weight": v,
+    }
     fused = convert.hf_to_megatron("decoder.layers.0.self_attention.linear_qkv.weight", src.__getitem__, info)
-    expected = [100, 101, 102, 103, 200, 201, 300, 301,  # group 0: heads 0-1, k0, v0
-                104, 105, 106, 107, 202, 203, 302, 303]  # group 1: heads 2-3, k1, v1
+    expected = [
+        100,
+        101,
+        102,
+        103,
+        200,
+        201,
+        300,
+        301,  # group 0: heads 0-1, k0, v0
+        104,
+        105,
+        106,
+        107,
+        202,
+        203,
+        302,
+        303,
+    ]  # group 1: heads 2-3, k1, v1
     assert fused[:, 0].tolist() == expected
 
 
 def test_canonical_name_normalises_te_local_wrappers_and_offsets():
     c = convert.canonical_name
     assert c("module.module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == (
-        "decoder.layers.0.input_layernorm.weight")
+        "decoder.layers.0.input_layernorm.weight"
+    )
     assert c("decoder.layers.1.mlp.linear_fc1.layer_norm_weight", layer_offset=2) == (
-        "decoder.layers.3.pre_mlp_layernorm.weight")
+        "decoder.layers.3.pre_mlp_layernorm.weight"
+    )
     assert c("decoder.layers.0.mlp.experts.linear_fc2.weight1", expert_offset=4) == (
-        "decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight")
-    assert c("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", layer_offset=4, expert_offset=2) == (
-        "decoder.layers.4.mlp.experts.local_experts.3.linear_fc1.weight")
+        "decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight"
+    )
+    assert c(
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", layer_offset=4, expert_offset=2
+    ) == ("decoder.layers.4.mlp.experts.local_experts.3.linear_fc1.weight")
     assert c("embedding.word_embeddings.weight", layer_offset=3) == "embedding.word_embeddings.weight"
 
 
-@pytest.mark.parametrize("name,dim", [
-    ("decoder.layers.0.mlp.linear_fc1.weight", 0),
-    ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", 0),
-    ("decoder.layers.0.mlp.linear_fc2.weight", 1),
-    ("decoder.layers.0.self_attention.linear_qkv.weight", 0),
-])
+@pytest.mark.parametrize(
+    "name,dim",
+    [
+        ("decoder.layers.0.mlp.linear_fc1.weight", 0),
+        ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", 0),
+        ("decoder.layers.0.mlp.linear_fc2.weight", 1),
+        ("decoder.layers.0.self_attention.linear_qkv.weight", 0),
+    ],
+)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tp_shard_merge_round_trip(name, dim, tp):
     full = torch.randn(16, 8)
@@ -142,8 +196,9 @@ def test_hf_config_matches_transformers_classes():
     for family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         m = FAMILIES[family]
         cfg = convert.hf_config(m)
-        hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"},
-                                                   model_type=cfg["model_type"])
+        hf_cfg = transformers.AutoConfig.for_model(
+            **{k: v for k, v in cfg.items() if k != "model_type"}, model_type=cfg["model_type"]
+        )
         model = getattr(transformers, cfg["architectures"][0])(hf_cfg)
         names = set(model.state_dict())
         ours = set(convert.hf_names(convert.ArchInfo.from_model_config(m)))

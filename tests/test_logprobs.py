@@ -27,8 +27,15 @@ def test_single_rank_matches_float64(temperature, chunk, vocab, padded):
     g_lp, g_ent = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
     before = logits.clone()
     leaf = logits.clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(leaf, target, tp_group=None, vocab_size=vocab, temperature=temperature,
-                                      chunk_size=chunk, with_entropy=True)
+    lp, ent = vocab_parallel_logprobs(
+        leaf,
+        target,
+        tp_group=None,
+        vocab_size=vocab,
+        temperature=temperature,
+        chunk_size=chunk,
+        with_entropy=True,
+    )
     (lp * g_lp + ent * g_ent).sum().backward()
     x, ref_lp, ref_ent = _reference(logits, target, vocab, temperature)
     (ref_lp * g_lp + ref_ent * g_ent).sum().backward()
@@ -72,3 +79,28 @@ def test_tensor_parallel_over_gloo_ranks_matches_float64():
             # bf16: the gradient is returned in the logits' dtype (8 mantissa bits)
             assert r["grad_err"] < (2**-7 if bf16 else 2e-6) * max(r["grad_scale"], 1.0), (key, r)
             assert r["pad_grad"] == 0.0, key
+
+
+def test_inplace_backward_gives_the_same_gradient_in_the_logits_storage():
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(6, 20, generator=g).to(torch.bfloat16)
+    target = torch.randint(0, 17, (6,), generator=g)
+    grads = []
+    for inplace in (False, True):
+        leaf = base.clone().requires_grad_(True)
+        x = leaf * 1  # a non-leaf "model output", as in the trainer
+        lp, ent = vocab_parallel_logprobs(
+            x,
+            target,
+            tp_group=None,
+            vocab_size=17,
+            temperature=0.9,
+            chunk_size=4,
+            with_entropy=True,
+            inplace_backward=inplace,
+        )
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        grads.append(leaf.grad)
+        if inplace:
+            assert torch.equal(x.detach(), leaf.grad), "the gradient lives in the logits' storage"
+    assert torch.equal(grads[0], grads[1])

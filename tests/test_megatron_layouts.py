@@ -85,7 +85,9 @@ def test_layout_matches_single_rank_fp32(results, case):
     for rank, res in enumerate(ranks):  # every rank reports the same numbers
         bad = _compare(ref, res[case])
         if spec.get("negative"):
-            assert bad, f"negative control on rank {rank} matched the reference: the test cannot see sharding bugs"
+            assert bad, (
+                f"negative control on rank {rank} matched the reference: the test cannot see sharding bugs"
+            )
         else:
             assert not bad, f"rank {rank}: " + "; ".join(bad[:8])
 

@@ -191,7 +191,9 @@ def apply() -> bool:
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+        new_state
+    )
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
     # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which would recurse into this.
@@ -258,7 +260,10 @@ def apply() -> bool:
     #    all_reduce + slice.
     import megatron.core.tensor_parallel.mappings as mappings
 
-    gather_even, reduce_scatter_even = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    gather_even, reduce_scatter_even = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
 
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):  # noqa: ANN001
         if output_split_sizes is None or group.size() == 1:

@@ -3,7 +3,7 @@
 Each TP rank holds logits for a contiguous vocab slice ``[vocab_start, vocab_start + V_local)``. For
 every token, with ``x = logits / temperature`` in float32:
 
-    l_r    = logsumexp_{v in shard r} x_v    local, one fused kernel
+    l_r    = logsumexp_{v in shard r} x_v    local, from one fused log_softmax kernel
     M      = max_r l_r                       all-reduce MAX over TP (the global max, shifted)
     lse    = M + log sum_r exp(l_r - M)      all-reduce SUM
     x_tgt  = x[target]                       owning shard contributes, others 0 -> SUM
@@ -11,11 +11,15 @@ every token, with ``x = logits / temperature`` in float32:
     H      = lse - sum_v p_v x_v             (entropy; each shard's sum is relative to l_r and
                                               rescaled by exp(l_r - M) inside the same SUM)
 
-All SUM reductions travel in one all-reduce, after the one MAX. Work is chunked over tokens so the only float32
-copy of logits that exists is ``chunk_size x V_local``; backward recomputes ``p`` chunk by chunk from
-the saved ``m + log Z`` (no collective in backward):
+All SUM reductions travel in one all-reduce, after the one MAX. Work is chunked over tokens, so the
+float32 working set is a few ``chunk_size x V_local`` tensors, never a copy of the whole shard.
+Backward recomputes ``p`` chunk by chunk (local softmax rescaled by the saved ``exp(l_r - lse)``; no
+collective in backward):
 
     d logp / d x_v = 1[v = target] - p_v          d H / d x_v = p_v (E_p[x] - x_v)
+
+The work uses the fused ``log_softmax`` / ``softmax`` kernels (on CPU much faster than chains of
+elementwise exp/sum). With ``inplace_backward`` the gradient overwrites the logits chunk by chunk.
 
 Temperature is applied as SGLang does: float32 logits divided by the temperature before the softmax.
 Vocab rows that only exist for TP padding (global id >= ``vocab_size``) are excluded, so the
@@ -30,6 +34,16 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["vocab_parallel_logprobs"]
+
+
+def _scaled_chunk(logits: torch.Tensor, lo: int, hi: int, n_valid: int, temperature: float) -> torch.Tensor:
+    """Rows [lo, hi) of the real-vocabulary columns, divided by the temperature in float32 (as SGLang
+    does). Without temperature the (bf16) view itself is returned: the fused kernels read it with
+    ``dtype=float32``, so no float32 copy is made. Never modifies ``logits``."""
+    chunk = logits[lo:hi, :n_valid]
+    if temperature == 1.0:
+        return chunk
+    return chunk.to(torch.float32, copy=True).div_(temperature)
 
 
 def _valid_columns(v_local: int, vocab_start: int, vocab_size: int | None) -> int:
@@ -50,112 +64,104 @@ class _VocabParallelLogProb(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        inplace_backward: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n_tok, v_local = logits.shape
         n_valid = _valid_columns(v_local, vocab_start, vocab_size)
         distributed = tp_group is not None and dist.get_world_size(tp_group) > 1
         f32 = dict(dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n_tok, **f32)
+        logp = torch.zeros(n_tok, **f32)
         entropy = torch.zeros(n_tok, **f32)
+        shift = torch.zeros(n_tok, **f32)  # l_r - lse: local -> global log-softmax (0 without TP)
         local_tgt = target - vocab_start
         owned = (local_tgt >= 0) & (local_tgt < n_valid)
         local_tgt = torch.where(owned, local_tgt, torch.zeros_like(local_tgt))
-        # Target logit straight from the (bf16) shard: only the owning rank contributes.
-        tgt = torch.zeros(n_tok, **f32)
-        if n_valid:
-            tgt = logits.gather(-1, local_tgt[:, None]).squeeze(-1).float().div_(temperature)
-            tgt = torch.where(owned, tgt, torch.zeros_like(tgt))
         for lo in range(0, n_tok, chunk_size):
             hi = min(lo + chunk_size, n_tok)
+            rows = slice(lo, hi)
+            # log_softmax / softmax are single fused kernels (much faster than exp/sum chains on
+            # CPU). Everything is kept relative to the shard's own lse l_r: no cancellation.
             if n_valid:
-                # float32 copy of this chunk only (never of the whole shard; never in place on logits)
-                x = logits[lo:hi, :n_valid].to(torch.float32, copy=True)
-                if temperature != 1.0:
-                    x.div_(temperature)  # as SGLang: float32 logits divided by the temperature
-                local_lse = torch.logsumexp(x, dim=-1)  # one fused pass, no exp tensor kept
-            else:  # this rank only holds TP padding rows
-                x = None
-                local_lse = torch.full((hi - lo,), float("-inf"), **f32)
-            if with_entropy:
-                # B_r = sum_{v in r} exp(x_v - l_r) (x_v - l_r): shifted by the local lse, so no
-                # cancellation between large logits and lse (minus the shard's own entropy).
-                if x is not None:
-                    y = x.sub_(local_lse[:, None])
-                    b = (torch.exp(y) * y).sum(-1)
-                else:
-                    b = torch.zeros_like(local_lse)
-            del x
-            if distributed:
-                # lse = M + log sum_r exp(l_r - M): one MAX, then one SUM for everything else.
-                peak = local_lse.clone()
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
-                w = torch.exp(local_lse - peak)
-                parts = [w, tgt[lo:hi]]
-                if with_entropy:  # sum_r w_r (B_r + l_r - M); w_r = 0 on padding-only ranks
-                    parts.append(torch.nan_to_num(w * (b + local_lse - peak), nan=0.0))
-                stacked = torch.stack(parts)
-                dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
-                log_s = stacked[0].log()
-                lse[lo:hi] = peak + log_s
-                tgt[lo:hi] = stacked[1]
-                if with_entropy:  # H = (lse - M) - sum_r w_r (B_r + l_r - M) / s
-                    entropy[lo:hi] = log_s - stacked[2] / stacked[0]
-            else:
-                lse[lo:hi] = local_lse
+                x = _scaled_chunk(logits, lo, hi, n_valid, temperature)
+                ls = torch.log_softmax(x, dim=-1, dtype=torch.float32)
+                ls_tgt = torch.where(owned[rows], ls.gather(-1, local_tgt[rows, None]).squeeze(-1), 0.0)
+                # B_r = sum_v softmax_r(x)_v log_softmax_r(x)_v: minus the shard's own entropy
+                b = torch.softmax(x, dim=-1, dtype=torch.float32).mul_(ls).sum(-1) if with_entropy else None
+            if not distributed:
+                logp[rows] = ls_tgt
                 if with_entropy:
-                    entropy[lo:hi] = -b
-        logp = tgt - lse
-        ctx.save_for_backward(logits, local_tgt, owned, lse, entropy)
-        ctx.params = (n_valid, temperature, chunk_size, with_entropy)
+                    entropy[rows] = -b
+                continue
+            if n_valid:  # l_r, read off at each row's max where |x - l_r| is smallest
+                ls_max, arg = ls.max(dim=-1, keepdim=True)
+                local_lse = (x.gather(-1, arg).float() - ls_max).squeeze(-1)
+            else:  # this rank only holds TP padding rows
+                local_lse = torch.full((hi - lo,), float("-inf"), **f32)
+                ls_tgt = torch.zeros_like(local_lse)
+                b = torch.zeros_like(local_lse)
+            # lse = M + log sum_r exp(l_r - M): one MAX, then one SUM for everything else.
+            peak = local_lse.clone()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
+            w = torch.exp(local_lse - peak)  # 0 on padding-only ranks
+            parts = [w, torch.where(owned[rows], ls_tgt + local_lse - peak, 0.0)]
+            if with_entropy:  # sum_r w_r (B_r + l_r - M)
+                parts.append(torch.nan_to_num(w * (b + local_lse - peak), nan=0.0))
+            stacked = torch.stack(parts)
+            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=tp_group)
+            log_s = stacked[0].log()  # lse - M
+            logp[rows] = stacked[1] - log_s  # x_tgt - lse, from the owning shard
+            shift[rows] = local_lse - peak - log_s
+            if with_entropy:  # H = (lse - M) - sum_r w_r (B_r + l_r - M) / s
+                entropy[rows] = log_s - stacked[2] / stacked[0]
+        ctx.save_for_backward(logits, local_tgt, owned, shift, entropy)
+        ctx.params = (n_valid, temperature, chunk_size, with_entropy, inplace_backward, distributed)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # type: ignore[override]
-        logits, local_tgt, owned, lse, entropy = ctx.saved_tensors
-        n_valid, temperature, chunk_size, with_entropy = ctx.params
+        logits, local_tgt, owned, shift, entropy = ctx.saved_tensors
+        n_valid, temperature, chunk_size, with_entropy, inplace, distributed = ctx.params
         n_tok, v_local = logits.shape
-        grad = torch.empty_like(logits)
+        # In place: each chunk's gradient overwrites the logits it was computed from (they are not
+        # needed afterwards), so backward allocates no logits-sized tensor (as Megatron's own
+        # vocab-parallel cross entropy does).
+        grad = logits if inplace else torch.empty_like(logits)
         if n_valid < v_local:
             grad[:, n_valid:] = 0  # TP padding rows get no gradient
+        if not n_valid:
+            return grad, None, None, None, None, None, None, None, None
         if grad_logp is None:
-            grad_logp = torch.zeros_like(lse)
+            grad_logp = torch.zeros_like(shift)
         use_h = with_entropy and grad_entropy is not None
-        inv_t = 1.0 / temperature
+        rescale = torch.exp(shift)  # global softmax = local softmax * exp(l_r - lse)
         for lo in range(0, n_tok, chunk_size):
             hi = min(lo + chunk_size, n_tok)
-            if not n_valid:
-                break
-            chunk = logits[lo:hi, :n_valid]
+            x = _scaled_chunk(logits, lo, hi, n_valid, temperature)
+            p = torch.softmax(x, dim=-1, dtype=torch.float32)
+            if distributed:
+                p.mul_(rescale[lo:hi, None])
             g_lp = grad_logp[lo:hi, None]
-            if temperature != 1.0 or use_h:
-                # y = x / T - lse (float32 chunk); p = exp(y)
-                y = chunk.to(torch.float32, copy=True)
-                if temperature != 1.0:
-                    y.div_(temperature)
-                y.sub_(lse[lo:hi, None])
-                p = torch.exp(y)
-            else:  # the op reads the shard once and promotes to float32
-                y = None
-                p = torch.sub(chunk, lse[lo:hi, None]).exp_()
             if use_h:
-                # d/dx = g_lp (onehot - p) + g_h p (E[x] - x), and E[x] - x = -(H + y)
+                # d/dx = g_lp (onehot - p) + g_h p (E[x] - x), with E[x] - x = -(H + log p)
+                y = torch.log_softmax(x, dim=-1, dtype=torch.float32)
+                if distributed:
+                    y.add_(shift[lo:hi, None])
                 coef = y.add_(entropy[lo:hi, None]).mul_(-grad_entropy[lo:hi, None]).sub_(g_lp)
                 g = p.mul_(coef)
+                del y
             else:
                 g = p.mul_(-g_lp)
-            del y
+            del x
             sel = owned[lo:hi]
             rows = torch.arange(hi - lo, device=g.device)[sel]
             g[rows, local_tgt[lo:hi][sel]] += grad_logp[lo:hi][sel]
             if temperature != 1.0:
-                g.mul_(inv_t)
+                g.div_(temperature)
             grad[lo:hi, :n_valid].copy_(g)  # cast to the logits dtype on the copy
             del p, g
-        if not n_valid:
-            grad.zero_()
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -167,6 +173,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``target`` (and optionally the entropy) under ``softmax(logits / temperature)``.
 
@@ -179,6 +186,9 @@ def vocab_parallel_logprobs(
         temperature: sampling temperature of the rollout engine.
         chunk_size: tokens processed at once (bounds the float32 working set).
         with_entropy: also return the entropy of the full distribution.
+        inplace_backward: write the gradient into ``logits``' storage (no logits-sized allocation in
+            backward). Only when nothing else reads ``logits`` after this call and backward runs
+            once (true for the loss adapter: Megatron's output layer saves its input, not its output).
 
     Returns:
         ``(logprobs [...], entropy [...] or None)``, both float32.
@@ -191,7 +201,14 @@ def vocab_parallel_logprobs(
     flat_logits = logits.reshape(-1, v_local)
     flat_target = target.reshape(-1)
     logp, entropy = _VocabParallelLogProb.apply(
-        flat_logits, flat_target, tp_group, rank * v_local, vocab_size, float(temperature), chunk_size,
+        flat_logits,
+        flat_target,
+        tp_group,
+        rank * v_local,
+        vocab_size,
+        float(temperature),
+        chunk_size,
         with_entropy,
+        inplace_backward,
     )
     return logp.view(shape), (entropy.view(shape) if with_entropy else None)

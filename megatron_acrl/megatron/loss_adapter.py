@@ -87,7 +87,11 @@ class LossAdapter:
         self.loss_fn = loss_fn
 
     def token_logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        with_entropy: bool = False,
+        inplace_backward: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Aligned per-token log-probs (and entropies) of ``tokens`` under ``logits``.
 
@@ -111,6 +115,7 @@ class LossAdapter:
             temperature=self.temperature,
             chunk_size=self.chunk_size,
             with_entropy=with_entropy,
+            inplace_backward=inplace_backward,
         )
         zero = lp.new_zeros(lp.shape[0], 1)
         lp = torch.cat([zero, lp[:, :-1]], dim=1)
@@ -143,7 +148,10 @@ class LossAdapter:
         undo = float(max(int(n_local), 1) * num_microbatches * dp_size)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-            logp, ent = self.token_logprobs(logits, micro["tokens"], with_entropy=self.entropy)
+            # The logits feed nothing else: backward may overwrite them with their gradient.
+            logp, ent = self.token_logprobs(
+                logits, micro["tokens"], with_entropy=self.entropy, inplace_backward=True
+            )
             loss, metrics = self.loss_fn(
                 logp,
                 micro["old_logprobs"].float(),

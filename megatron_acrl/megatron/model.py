@@ -131,7 +131,10 @@ def layer_spec(model: ModelConfig, use_te: bool | None = None) -> ModuleSpec:
             num_experts=num_experts, moe_grouped_gemm=bool(num_experts), qk_layernorm=model.qk_layernorm
         )
     return get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm, normalization="RMSNorm"
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=model.qk_layernorm,
+        normalization="RMSNorm",
     )
 
 

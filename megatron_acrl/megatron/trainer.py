@@ -131,10 +131,14 @@ class Trainer:
         )
         chunks = build_model_chunks(cfg.model, cfg.parallel, self.config, pg)
         self.model = [
-            DistributedDataParallel(self.config, self.ddp_config, c, disable_bucketing=i > 0, pg_collection=pg)
+            DistributedDataParallel(
+                self.config, self.ddp_config, c, disable_bucketing=i > 0, pg_collection=pg
+            )
             for i, c in enumerate(chunks)
         ]
-        self.config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        self.config.no_sync_func = (
+            [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        )
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None
 
@@ -223,15 +227,27 @@ class Trainer:
                 if padded != length:  # pad tokens/masks/log-probs with zeros: masked, never scored
                     v = torch.nn.functional.pad(v, (0, padded - length))
                 mb[k] = v.contiguous()
-            mb["position_ids"] = torch.arange(padded).unsqueeze(0).expand(mb["tokens"].shape[0], -1).contiguous()
+            mb["position_ids"] = (
+                torch.arange(padded).unsqueeze(0).expand(mb["tokens"].shape[0], -1).contiguous()
+            )
             micro.append(mb)
         return micro
 
-    def _run_schedule(self, model: list[torch.nn.Module], micro: list[dict], loss_func_for, forward_only: bool,
-                      collect: bool) -> list[Any]:
+    def _run_schedule(
+        self,
+        model: list[torch.nn.Module],
+        micro: list[dict],
+        loss_func_for,
+        forward_only: bool,
+        collect: bool,
+    ) -> list[Any]:
+        # bf16: keep the logits in bf16 (Float16Module would otherwise upcast the whole
+        # [b, s, V/tp] tensor); the fused log-prob casts chunk by chunk.
+        extra = {"fp32_output": False} if self.config.bf16 else {}
+
         def forward_step(data_iterator: Iterator[dict], chunk: torch.nn.Module):
             mb = next(data_iterator)
-            out = chunk(mb["tokens"], mb["position_ids"], None)
+            out = chunk(mb["tokens"], mb["position_ids"], None, **extra)
             return out, loss_func_for(mb)
 
         seq_len = micro[0]["tokens"].shape[1]
@@ -409,7 +425,8 @@ class Trainer:
                 is_expert = not getattr(param, "allreduce", True)
                 if is_expert:
                     names = [
-                        convert.canonical_name(local, expert_offset=r * n_local_experts) for r in range(ep_size)
+                        convert.canonical_name(local, expert_offset=r * n_local_experts)
+                        for r in range(ep_size)
                     ]
                 else:
                     names = [local]
@@ -461,9 +478,11 @@ class Trainer:
             src = dist.get_global_rank(self.pg.pp, stage)
             mine = stage == self.pp_rank
             for i, (names, shape, dtype) in enumerate(plans[stage]):
-                fulls = self._gather_full(entries[i]) if mine else [
-                    torch.empty(shape, dtype=getattr(torch, dtype)) for _ in names
-                ]
+                fulls = (
+                    self._gather_full(entries[i])
+                    if mine
+                    else [torch.empty(shape, dtype=getattr(torch, dtype)) for _ in names]
+                )
                 for name, full in zip(names, fulls, strict=True):
                     full = full.contiguous()
                     dist.broadcast(full, src=src, group=self.pg.pp)
@@ -536,8 +555,10 @@ class Trainer:
                     group = self.pg.expt_tp if is_expert else self.pg.tp
                     full = convert.tp_shard(canon, full, group.size(), group.rank(), param.partition_dim)
                 if tuple(full.shape) != tuple(param.shape):
-                    raise ValueError(f"{canon}: HF weights give shape {tuple(full.shape)}, "
-                                     f"the model has {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{canon}: HF weights give shape {tuple(full.shape)}, "
+                        f"the model has {tuple(param.shape)}"
+                    )
                 param.copy_(full)
 
     @torch.no_grad()
@@ -554,7 +575,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's full training state: model shards, optimizer, LR schedule, controller, step."""
         opt_param_state = [
-            o.get_parameter_state_dp_reshardable() for o in _leaf_optimizers(self.optimizer)
+            o.get_parameter_state_dp_reshardable()
+            for o in _leaf_optimizers(self.optimizer)
             if hasattr(o, "get_parameter_state_dp_reshardable")
         ]
         return {
@@ -578,7 +600,9 @@ class Trainer:
             for chunk, sd in zip(self.ref_model, state["ref_model"], strict=True):
                 unwrap(chunk).load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
-        leaves = [o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")]
+        leaves = [
+            o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")
+        ]
         for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
             o.load_parameter_state_from_dp_reshardable(s)
         if not leaves:
@@ -612,8 +636,15 @@ class Trainer:
 
     def _layout(self) -> dict[str, Any]:
         p = self.cfg.parallel
-        return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep, "dp": self.dp_size,
-                "distributed_optimizer": p.distributed_optimizer, "world": dist.get_world_size()}
+        return {
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "ep": p.ep,
+            "dp": self.dp_size,
+            "distributed_optimizer": p.distributed_optimizer,
+            "world": dist.get_world_size(),
+        }
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

@@ -30,6 +30,24 @@ CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
 """Variables SGLang itself requires to run its CPU engine."""
 
 
+LAUNCHER_VARS = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+"""torch.distributed launcher variables that must not leak into a server's environment."""
+
+
 def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for an SGLang server child process on ``device`` ("cpu" or "cuda").
 
@@ -37,6 +55,12 @@ def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, 
     above and the stand-in directory; for ``cuda`` it leaves SGLang's real kernels alone.
     """
     env = dict(os.environ if base is None else base)
+    # A server started from a torchrun/srun rank would otherwise inherit the trainer's rendezvous
+    # (RANK, WORLD_SIZE, MASTER_PORT, ...) and SGLang's own init_process_group would wait forever
+    # for trainer ranks that never join its group.
+    for key in list(env):
+        if key in LAUNCHER_VARS or key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_")):
+            del env[key]
     env["HF_HUB_OFFLINE"] = "1"
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
@@ -45,4 +69,4 @@ def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, 
     return env
 
 
-__all__ = ["CPU_SERVER_ENV", "STAND_IN_DIR", "server_env"]
+__all__ = ["CPU_SERVER_ENV", "LAUNCHER_VARS", "STAND_IN_DIR", "server_env"]

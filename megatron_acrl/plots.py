@@ -1,0 +1,88 @@
+"""Plots of a run (or several) from their ``metrics.jsonl``: reward, mismatch, ACRL state.
+
+    python -m megatron_acrl.plots runs/demo [runs/other ...] --out runs/demo/plots
+
+Each figure overlays the runs given, labelled by directory name; the same code draws the study's
+report figures (one curve per arm, mean over seeds with a band).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_acrl.logging import read_jsonl_metrics
+
+PANELS = (
+    ("reward/mean", "reward (train, sampled)"),
+    ("eval/accuracy", "eval accuracy (greedy)"),
+    ("mismatch/k3_kl", "k3 KL(mu || pi_old)"),
+    ("mismatch/chi2_token", "chi2 token"),
+    ("mismatch/log_ppl_abs_diff", "|log ppl diff|"),
+    ("acrl/y_over_x", "ACRL Y / X"),
+    ("acrl/alpha_abs_mean", "ACRL |alpha|"),
+    ("correction/seq_masked_frac", "masked sequence fraction"),
+    ("correction/clip_frac_high", "TIS clipped fraction (high)"),
+    ("loss/entropy", "entropy"),
+)
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and math.isfinite(float(v)):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, labels: Sequence[str] | None = None
+) -> list[Path]:
+    """One PNG per panel that any run has data for; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [read_jsonl_metrics(Path(d) / "metrics.jsonl") for d in run_dirs]
+    names = list(labels) if labels else [Path(d).name for d in run_dirs]
+    written = []
+    for key, title in PANELS:
+        curves = [(n, *series(rows, key)) for n, rows in zip(names, runs, strict=True)]
+        if not any(xs for _, xs, _ in curves):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for name, xs, ys in curves:
+            if xs:
+                ax.plot(xs, ys, label=name, marker="." if len(xs) < 40 else None)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / (key.replace("/", "_") + ".png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_acrl.plots", description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", default=None, help="output directory (default: <first run>/plots)")
+    args = ap.parse_args(argv)
+    out = args.out or str(Path(args.runs[0]) / "plots")
+    files = plot_runs(args.runs, out)
+    print(f"{len(files)} plots in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

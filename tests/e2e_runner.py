@@ -1,0 +1,63 @@
+"""Runs several driver runs in one process (start-up, not compute, dominates on CPU).
+
+    python tests/e2e_runner.py SPEC.json
+
+SPEC is a list of runs: ``{"config": path, "overrides": [...], "args": [...], "faults": {...}}``.
+Faults (injected through ``megatron_acrl.train.run``'s ``prepare`` hook, tests only):
+``kill_server_at_step: k`` kills the SGLang server right before step k's generation;
+``nan_logprob_at_step: k`` turns one rollout log-prob of step k into NaN, as a faulty engine would.
+Each run's final driver state is appended to ``<run_dir>/state.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from megatron.core import parallel_state
+
+from megatron_acrl.config import load_config
+from megatron_acrl.train import parse_args, run
+
+
+def inject(faults: dict):
+    def prepare(ctx):
+        engine = ctx.engine
+        if engine is None or not faults:
+            return
+        generate = engine.generate
+        calls = {"n": 0}
+
+        def faulty(prompt_ids, n, params):
+            # Training generations happen once per step here (no dynamic sampling); eval uses greedy.
+            training = params.temperature > 0
+            step = calls["n"] if training else -1
+            if training:
+                calls["n"] += 1
+            if step == faults.get("kill_server_at_step") and not calls.get("killed"):
+                calls["killed"] = True
+                engine.servers[0].kill()
+            groups = generate(prompt_ids, n, params)
+            if step == faults.get("nan_logprob_at_step"):
+                groups[0][0].logprobs[0] = float("nan")
+            return groups
+
+        engine.generate = faulty
+
+    return prepare
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    for item in spec:
+        cfg = load_config(item["config"], item.get("overrides", []))
+        args = parse_args(["--config", item["config"], *item.get("args", [])])
+        state = run(cfg, args, prepare=inject(item.get("faults", {})))
+        with open(f"{args.run_dir}/state.json", "w") as f:
+            json.dump(dataclasses.asdict(state), f)
+        parallel_state.destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()

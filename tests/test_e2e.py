@@ -1,0 +1,217 @@
+"""The RL loop end to end: real Megatron trainer, real SGLang CPU server, ACRL, W&B offline.
+
+One live run (recording its rollouts, with a killed server and a NaN log-prob injected) feeds the
+replay runs: every algorithm x every correction, and resume exactness, without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
+BASE = [
+    "training.sft_steps=30",
+    "training.sft_lr=3e-3",
+    "task.num_digits=1",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=4",
+    "training.micro_batch_size=8",
+    "rollout.max_new_tokens=6",
+    "rollout.max_prompt_len=16",
+    "logging.sample_table_interval=2",
+]
+LIVE_STEPS = 4
+
+
+def run_spec(tmp: Path, spec: list[dict], timeout: int = 1500) -> None:
+    path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "e2e_runner.py"), str(path)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if res.returncode != 0:
+        raise AssertionError(
+            f"runner failed (rc={res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    run_dir = tmp / "live"
+    spec = [
+        {
+            "config": CONFIG,
+            "overrides": BASE
+            + [
+                f"training.num_steps={LIVE_STEPS}",
+                "training.eval_interval=2",
+                f"training.checkpoint_dir={tmp / 'live-ckpt'}",
+                "training.save_interval=2",
+            ],
+            "args": ["--run-dir", str(run_dir), "--save-rollouts", str(tmp / "rollouts")],
+            "faults": {"kill_server_at_step": 1, "nan_logprob_at_step": 2},
+        }
+    ]
+    run_spec(tmp, spec)
+    return tmp
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return read_jsonl_metrics(run_dir / "metrics.jsonl")
+
+
+def test_live_run_logs_every_metric_to_wandb(live):
+    hist = read_wandb_history(live / "live" / "wandb")
+    assert [int(r["_step"]) for r in hist] == list(range(1, LIVE_STEPS + 1))
+    last = hist[-1]
+    for key in (
+        "reward/mean",
+        "mismatch/kl",
+        "mismatch/k3_kl",
+        "mismatch/chi2_token",
+        "mismatch/chi2_seq",
+        "mismatch/log_ppl_abs_diff",
+        "mismatch/training_ppl",
+        "mismatch/rollout_ppl",
+        "correction/weight_mean",
+        "correction/ess",
+        "acrl/alpha_abs_mean",
+        "acrl/x",
+        "acrl/y",
+        "acrl/y_over_x",
+        "loss/entropy",
+        "response_length/mean",
+        "time/rollout",
+        "time/train",
+        "time/sync",
+        "sync/seconds",
+        "sync/bytes",
+        "perf/tokens_per_s",
+        "grad_norm",
+    ):
+        assert key in last, key
+        assert math.isfinite(float(last[key])), key
+    assert 0.0 <= last["reward/mean"] <= 1.0
+    assert last["mismatch/k3_kl"] >= 0 and last["mismatch/log_ppl_abs_diff"] >= 0
+    assert last["acrl/x"] > 0 and last["sync/fp8_mode"] == 2.0  # fake-quant FP8 on the CPU server
+    assert hist[0]["mismatch/log_ratio_hist/_type"] == "histogram"
+    assert any(r.get("samples/_type") == "table-file" for r in hist)
+    assert "eval/accuracy" in hist[1] and 0.0 <= hist[1]["eval/accuracy"] <= 1.0
+
+
+def test_killed_server_is_restarted_and_the_step_retried(live):
+    r = rows(live / "live")
+    assert [x["step"] for x in r] == list(range(1, LIVE_STEPS + 1))
+    assert r[0]["rollout/server_restarts"] == 0 and r[1]["rollout/server_restarts"] == 1
+    assert all(x["rollout/num_sequences"] == 16 for x in r)  # nothing lost
+    state = json.loads((live / "live" / "state.json").read_text())
+    assert state["prompts_consumed"] == 4 * LIVE_STEPS  # the failed step's prompts were reused, not skipped
+
+
+def test_nonfinite_rollout_logprobs_are_masked_and_counted(live):
+    r = rows(live / "live")
+    assert r[2]["rollout/nonfinite_logprobs"] == 1 and r[1]["rollout/nonfinite_logprobs"] == 0
+    for key in ("loss/pg_loss", "grad_norm", "mismatch/kl", "correction/weight_mean"):
+        assert isinstance(r[2][key], float) and math.isfinite(r[2][key]), key
+
+
+ALGOS = {
+    "grpo": [],
+    "dr_grpo": ["algorithm.grpo_norm_std=false", "algorithm.loss_agg=seq-mean-token-sum-norm"],
+    "dapo": [
+        "algorithm.clip_high=0.28",
+        "algorithm.loss_agg=token-mean",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.overlong_buffer_len=2",
+    ],
+}
+METHODS = ["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
+
+
+def test_every_algorithm_and_correction_trains_on_replayed_rollouts(live):
+    spec = []
+    for algo, extra in ALGOS.items():
+        for method in METHODS:
+            overrides = (
+                BASE
+                + extra
+                + [
+                    f"algorithm.name={algo}",
+                    f"correction.method={method}",
+                    "training.num_steps=2",
+                    "logging.wandb_mode=disabled",
+                ]
+            )
+            if method == "acrl":
+                overrides.append("correction.masks=[seq_mis]")
+            spec.append(
+                {
+                    "config": CONFIG,
+                    "overrides": overrides,
+                    "args": [
+                        "--run-dir",
+                        str(live / f"replay-{algo}-{method}"),
+                        "--load-rollouts",
+                        str(live / "rollouts"),
+                    ],
+                }
+            )
+    run_spec(live, spec)
+    for algo in ALGOS:
+        for method in METHODS:
+            r = rows(live / f"replay-{algo}-{method}")
+            assert [x["step"] for x in r] == [1, 2], (algo, method)
+            for x in r:
+                assert math.isfinite(x["loss/pg_loss"]) and math.isfinite(x["grad_norm"]), (algo, method)
+                assert x["rollout/replayed"] == 1.0
+            if method == "none":
+                assert r[0]["correction/weight_mean"] == pytest.approx(1.0)
+            if method == "acrl":
+                assert r[0]["acrl/y_over_x"] == pytest.approx(1.0)  # first batch is the reference
+
+
+def test_resume_continues_exactly(live):
+    common = BASE + ["logging.wandb_mode=disabled", "training.save_interval=2"]
+    replay = ["--load-rollouts", str(live / "rollouts")]
+    spec = [
+        {
+            "config": CONFIG,
+            "overrides": common + ["training.num_steps=4", f"training.checkpoint_dir={live / 'ck-a'}"],
+            "args": ["--run-dir", str(live / "resume-a"), *replay],
+        },
+        {
+            "config": CONFIG,
+            "overrides": common + ["training.num_steps=2", f"training.checkpoint_dir={live / 'ck-b'}"],
+            "args": ["--run-dir", str(live / "resume-b"), *replay],
+        },
+        {
+            "config": CONFIG,
+            "overrides": common + ["training.num_steps=4", f"training.checkpoint_dir={live / 'ck-b'}"],
+            "args": ["--run-dir", str(live / "resume-c"), *replay],
+        },
+    ]
+    run_spec(live, spec)
+    a, c = rows(live / "resume-a"), rows(live / "resume-c")
+    assert [x["step"] for x in c] == [3, 4]
+    skip = ("time/", "perf/", "sync/seconds")
+    for ra, rc in zip(a[2:], c, strict=True):
+        for k, v in ra.items():
+            if not k.startswith(skip):
+                assert rc[k] == v, (ra["step"], k)

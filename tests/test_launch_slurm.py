@@ -1,0 +1,190 @@
+"""Launch tests against a REAL local SLURM cluster (slurm-wlm 22.05 on loopback, see
+``launch/slurm_local.py``): bad input is refused before anything is queued; jobs submitted through
+``python -m launch.submit`` complete, fail with the reason in the log, and survive preemption.
+
+The trainer here is ``tests/launch_standin_trainer.py`` (same CLI and exit-code contract as
+``python -m megatron_acrl.train``, no model, so each job takes seconds); the real driver plugs in
+through ``--entry-module`` (its default). Rollout servers are ``tests/launch_standin_server.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from launch_helpers import job_id_of, job_info, queued_jobs, submit, wait_job
+from launch_helpers import slurm as slurm  # noqa: F401 - session fixture
+
+pytestmark = pytest.mark.usefixtures("slurm")
+
+TINY = "configs/tiny_dense.yaml"
+STANDIN = ["--entry-module", "tests.launch_standin_trainer"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log(run: Path, job: str) -> str:
+    return (run / "logs" / f"job-{job}.out").read_text()
+
+
+# ---- bad input: refused at submit time, nothing queued ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus-per-node", "4", "model.hf_path=/tmp"], "have at most 2 GPUs"),
+        (["--nodes", "3", "model.hf_path=/tmp"], "has only 1 node(s)"),
+        (["--partition", "nope"], "unknown partition 'nope'; this cluster has: debug"),
+        (["task.name=gsm8k", "task.data_path=/nonexistent/train.jsonl"], "task.data_path: no such file"),
+        (["model.hf_path=/nonexistent/ckpt"], "model.hf_path: no such file"),
+        (["--ranks-per-node", "3"], "each node needs 3 CPUs"),
+        (
+            ["--ranks-per-node", "2", "parallel.world_size=4"],
+            "config asks for 4 trainer ranks but the job has 2",
+        ),
+        (["--ranks-per-node", "1", "parallel.dp=2"], "set parallel.dp=1"),
+        (["training.num_stepz=3"], "did you mean 'training.num_steps'"),
+    ],
+)
+def test_bad_input_fails_before_queueing(tmp_path, args, message):
+    before = queued_jobs()
+    proc = submit([TINY, "--output-dir", str(tmp_path), *STANDIN, *args])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "nothing was submitted" in proc.stderr
+    assert queued_jobs() == before
+    assert not (tmp_path / "tiny_dense" / "job.sbatch").exists()
+
+
+# ---- jobs that run -----------------------------------------------------------------------------------
+
+
+def test_two_rank_job_completes(tmp_path):
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), *STANDIN, "--ranks-per-node", "2", "training.num_steps=4"]
+    )
+    job = job_id_of(proc)
+    info = wait_job(job)
+    run = tmp_path / "tiny_dense"
+    log = _log(run, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    done = json.loads((run / "standin-done.json").read_text())
+    assert done == {"final_step": 4, "world": 2, "master": "localhost", "restart": 0}
+    assert "0: rank 0/2 master=localhost" in log and "1: rank 1/2 master=localhost" in log
+    assert (run / "status").read_text().startswith("COMPLETED")
+    # The job ran the frozen config with its checkpoints under the run directory.
+    assert f"checkpoint_dir: {run / 'checkpoints'}" in (run / "submitted-config.yaml").read_text()
+
+
+def test_torchrun_with_servers_started_by_the_job(tmp_path):
+    """Single node, CPU, --servers-in-job: the script starts the server step, waits for it, and passes
+    rollout.server_urls to a torchrun-launched trainer."""
+    port = _free_port()
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), *STANDIN, "--server-module", "tests.launch_standin_server",
+         "--servers-in-job", "--launcher", "torchrun", "--ranks-per-node", "1",
+         f"rollout.base_port={port}", f"model.hf_path={tmp_path}", "training.num_steps=2"]
+    )  # fmt: skip
+    job = job_id_of(proc)
+    info = wait_job(job)
+    log = _log(tmp_path / "tiny_dense", job)
+    assert info["JobState"] == "COMPLETED", log
+    assert f"servers ok: ['http://127.0.0.1:{port}'] key=no" in log
+    assert "all 1 rollout server(s) healthy" in log
+
+
+def test_failing_rank_fails_the_job_with_the_reason(tmp_path):
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), *STANDIN, "--ranks-per-node", "2", "training.num_steps=50"],
+        env={"STANDIN_FAIL_RANK": "1", "STANDIN_FAIL_STEP": "2"},
+    )
+    job = job_id_of(proc)
+    info = wait_job(job)
+    run = tmp_path / "tiny_dense"
+    log = _log(run, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", log
+    assert "1: rank 1: injected failure at step 2" in log
+    assert "rank 1: exit code 3" in log and "trainer step failed, first rank 1 with exit code 3" in log
+    assert (run / "status").read_text().startswith("FAILED rc=3")
+    assert not (run / "standin-done.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"), [("crash", "exited before becoming healthy"), ("hang", "did not come up within 3 s")]
+)
+def test_server_that_does_not_come_up_is_named(tmp_path, mode, why):
+    port = _free_port()
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), *STANDIN, "--server-module", "tests.launch_standin_server",
+         "--servers-in-job", "--server-timeout", "3", "--ranks-per-node", "1",
+         f"rollout.base_port={port}", f"model.hf_path={tmp_path}"],
+        env={"STANDIN_SERVER_MODE": mode},
+    )  # fmt: skip
+    job = job_id_of(proc)
+    info = wait_job(job)
+    log = _log(tmp_path / "tiny_dense", job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "69:0", log
+    assert f"server 0 at http://127.0.0.1:{port}" in log and why in log
+    assert "the trainer was not started" in log and "rank 0/" not in log
+
+
+# ---- preemption: checkpoint, requeue, resume ------------------------------------------------------------
+
+
+def _progress(run: Path) -> list[dict]:
+    path = run / "progress.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_progress(run: Path, job: str, step: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p["step"] >= step for p in _progress(run)):
+            return
+        assert job_info(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), _log(run, job)
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} never reached step {step}")
+
+
+@pytest.mark.parametrize(
+    "preempt",
+    [
+        # What `#SBATCH --signal=B:TERM@N` does at the time limit: SIGTERM to the batch script only.
+        ["scancel", "--batch", "--signal=TERM"],
+        # Preemption / an operator: SLURM terminates every step and requeues the job itself.
+        ["scontrol", "requeue"],
+    ],
+    ids=["batch-sigterm", "scontrol-requeue"],
+)
+def test_preemption_checkpoints_requeues_and_resumes(tmp_path, preempt):
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), *STANDIN, "--ranks-per-node", "2", "training.num_steps=6"],
+        env={"STANDIN_HOLD_AT_STEP": "3"},  # the first run waits at step 3 for the signal
+    )
+    job = job_id_of(proc)
+    run = tmp_path / "tiny_dense"
+    _wait_progress(run, job, 3)
+    subprocess.run([*preempt, job], check=True, timeout=30)
+    info = wait_job(job)
+    log = _log(run, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert "checkpoint at step 3 after SIGTERM" in log and "resumed from step 3" in log
+    # Steps 1-3 ran before the preemption, 4-6 after it, none twice.
+    assert [(p["step"], p["restart"]) for p in _progress(run)] == [
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 1),
+        (5, 1),
+        (6, 1),
+    ]
+    assert json.loads((run / "standin-done.json").read_text())["final_step"] == 6
+    assert (run / "status").read_text().startswith("COMPLETED restart=1")
