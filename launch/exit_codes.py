@@ -76,3 +76,8 @@ def bash_describe_function() -> str:
 
 def _sh(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
+
+
+DEFAULT_PORT = 30000
+"""Port of the first rollout server on a server node when the config leaves ``rollout.base_port`` null
+(single-node runs pick free ports instead; server nodes need a port the trainer can be told in advance)."""

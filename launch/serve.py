@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from launch.exit_codes import CONFIG_ERROR
+from launch.exit_codes import CONFIG_ERROR, DEFAULT_PORT
 from megatron_acrl.config import Config, ConfigError, load_config
 
 
@@ -44,7 +44,9 @@ def server_slot(
     if len(visible) >= (local + 1) * tp:
         # SLURM gives the step all the node's server GPUs; each server takes its own slice.
         gpu_ids = tuple(int(d) for d in visible[local * tp : (local + 1) * tp])
-    return ServerSlot(index, host, port if port is not None else cfg.rollout.base_port + local, gpu_ids)
+    return ServerSlot(
+        index, host, port if port is not None else (cfg.rollout.base_port or DEFAULT_PORT) + local, gpu_ids
+    )
 
 
 def server_command(cfg: Config, slot: ServerSlot, api_key: str | None) -> tuple[list[str], dict[str, str]]:

@@ -70,6 +70,10 @@ class RolloutEngine:
         self.servers: list[SGLangServer] = []
         self.restarts = 0
         if r.server_urls:
+            from launch.wait_servers import wait_for_servers
+
+            # Launch scripts start these on their own nodes; wait, naming any that never comes up.
+            wait_for_servers(list(r.server_urls), timeout_s=r.startup_timeout_s, api_key=self.api_key)
             self.urls = list(r.server_urls)
         else:
             self.servers = [self._server(i) for i in range(r.num_servers)]

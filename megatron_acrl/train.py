@@ -116,7 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    run(cfg, args)
+    from launch.exit_codes import SERVERS_UNAVAILABLE
+    from launch.wait_servers import ServersNotReady
+
+    try:
+        run(cfg, args)
+    except ConfigError as err:  # layout checks that need the launched world (dp, batch divisibility)
+        print(err, file=sys.stderr)
+        return 2
+    except ServersNotReady as err:
+        print(err, file=sys.stderr)
+        return SERVERS_UNAVAILABLE
     return 0
 
 

@@ -295,7 +295,9 @@ class SGLangServer:
             req.add_header("Authorization", f"Bearer {self.spec.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=2.0) as r:
-                return r.status == 200 and "model_path" in json.loads(r.read() or b"{}")
+                info = json.loads(r.read() or b"{}")
+                # Another server on the same port (a port collision) would answer too: require ours.
+                return r.status == 200 and info.get("model_path") == self.spec.model_path
         except (urllib.error.URLError, OSError, ValueError):
             return False
 

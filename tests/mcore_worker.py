@@ -66,7 +66,7 @@ MODELS: dict[str, dict[str, Any]] = {
 HF_PARITY = ("qwen2", "qwen3", "moe")
 
 
-def make_config(kind: str, layout: dict[str, Any]):
+def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
     model = dict(
         num_layers=4,
         hidden_size=64,
@@ -75,7 +75,7 @@ def make_config(kind: str, layout: dict[str, Any]):
         num_query_groups=2,
         vocab_size=320,
         max_position_embeddings=128,
-        params_dtype="fp32",
+        params_dtype="bf16" if bf16 else "fp32",
         **MODELS[kind],
     )
     parallel = {
@@ -126,13 +126,14 @@ def run_case(
     negative: bool = False,
     checkpoint_dir: str | None = None,
     hf_dir: str | None = None,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     """One layout: forward-only log-probs, two controller updates, one optimizer step, export."""
     from megatron_acrl.megatron.trainer import Trainer, initialize_parallel
     from sglang_bridge import convert
 
     t0 = time.perf_counter()
-    cfg = make_config(kind, layout)
+    cfg = make_config(kind, layout, bf16=bf16)
     initialize_parallel(cfg.parallel, SEED)
     original_shard = convert.tp_shard
     if negative:  # wrongly sharded weights: every TP rank loads its mirror rank's shard
@@ -167,6 +168,7 @@ def run_case(
         controller=trainer.controller.state_dict(),
         after={k: v.detach().clone() for k, v in trainer.hf_weights(all_stages=True)},
     )
+    out["stage_names"] = [name for name, _ in trainer.hf_weights()]  # per-stage mode (weight sync)
     if checkpoint_dir is not None:  # resume reproduces the next step exactly
         trainer.save_checkpoint(checkpoint_dir)
         m2 = trainer.train_step(second)
@@ -208,6 +210,7 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
             ref[case["kind"]]["init"],
             negative=case.get("negative", False),
             checkpoint_dir=case.get("checkpoint_dir"),
+            bf16=case.get("bf16", False),
         )
         results[case["name"]] = res
     return results

@@ -188,3 +188,41 @@ def test_preemption_checkpoints_requeues_and_resumes(tmp_path, preempt):
     ]
     assert json.loads((run / "standin-done.json").read_text())["final_step"] == 6
     assert (run / "status").read_text().startswith("COMPLETED restart=1")
+
+
+# ---- the real product through SLURM ------------------------------------------------------------------
+
+
+def test_real_driver_job_completes_with_wandb_metrics(tmp_path):
+    """The tiny config through the launch CLI: real Megatron trainer (2 gloo ranks), a real SGLang CPU
+    server started by the driver, ACRL, W&B offline; the job ends COMPLETED and its run holds the
+    mismatch metrics."""
+    from megatron_acrl.logging import read_wandb_history
+
+    proc = submit(
+        [
+            TINY,
+            "--output-dir",
+            str(tmp_path),
+            "--ranks-per-node",
+            "2",
+            "--job-name",
+            "real",
+            "training.num_steps=2",
+            "training.sft_steps=0",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "training.micro_batch_size=8",
+            "rollout.max_new_tokens=6",
+            "parallel.tp=2",
+        ]
+    )
+    job = job_id_of(proc)
+    info = wait_job(job, timeout_s=900)
+    run = tmp_path / "real"
+    log = _log(run, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    hist = read_wandb_history(next(run.rglob("run-*.wandb")))
+    assert [int(r["_step"]) for r in hist] == [1, 2]
+    for key in ("reward/mean", "mismatch/k3_kl", "mismatch/chi2_token", "acrl/y_over_x", "sync/seconds"):
+        assert key in hist[-1], key
