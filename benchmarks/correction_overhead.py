@@ -17,16 +17,10 @@ import statistics
 import time
 
 import torch
+from _correction_pass import correction_pass
 
 from megatron_acrl.config import CorrectionConfig
-from megatron_acrl.correction import (
-    AcrlController,
-    MismatchTensors,
-    acrl_discrepancy_stats,
-    compute_correction,
-    finalize_metrics,
-    mismatch_metrics,
-)
+from megatron_acrl.correction import AcrlController, acrl_discrepancy_stats
 
 
 def main() -> None:
@@ -61,17 +55,7 @@ def main() -> None:
         lp.sum().item()
 
     def ours() -> None:
-        # Shared intermediates once; controller stats, weights and metrics all read them.
-        shared = MismatchTensors(old, roll, mask)
-        sig = ctl.update(acrl_discrepancy_stats(None, None, None, cfg.distance, shared=shared))
-        corr = compute_correction(
-            cfg, None, None, None, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig, shared=shared
-        )
-        parts = {
-            **corr.metrics,
-            **mismatch_metrics(None, None, None, num_tokens=n_tok, num_seqs=n_seq, shared=shared),
-        }
-        finalize_metrics(parts)
+        correction_pass(cfg, ctl, old, roll, mask, adv, n_tok, n_seq)
 
     def timed(fn) -> float:
         sync()

@@ -15,16 +15,10 @@ import time
 from pathlib import Path
 
 import torch
+from _correction_pass import correction_pass
 
 from megatron_acrl.config import load_config
-from megatron_acrl.correction import (
-    AcrlController,
-    MismatchTensors,
-    acrl_discrepancy_stats,
-    compute_correction,
-    finalize_metrics,
-    mismatch_metrics,
-)
+from megatron_acrl.correction import AcrlController
 from megatron_acrl.logging import read_jsonl_metrics
 from megatron_acrl.rollout import load_rollouts
 from megatron_acrl.train import parse_args, run
@@ -43,25 +37,7 @@ def correction_seconds(batch, cfg, repeats: int = 20) -> float:
     ctl = AcrlController(cfg.correction)
 
     def once() -> None:
-        sh = MismatchTensors(old, roll, mask)
-        sig = ctl.update(acrl_discrepancy_stats(None, None, None, cfg.correction.distance, shared=sh))
-        corr = compute_correction(
-            cfg.correction,
-            None,
-            None,
-            None,
-            num_tokens=n_tok,
-            num_seqs=n_seq,
-            advantages=adv,
-            acrl=sig,
-            shared=sh,
-        )
-        finalize_metrics(
-            {
-                **corr.metrics,
-                **mismatch_metrics(None, None, None, num_tokens=n_tok, num_seqs=n_seq, shared=sh),
-            }
-        )
+        correction_pass(cfg.correction, ctl, old, roll, mask, adv, n_tok, n_seq)
 
     once()
     times = []

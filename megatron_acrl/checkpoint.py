@@ -76,3 +76,18 @@ def load_driver_state(ctx: RunContext) -> DriverState:
     ctx.last_checkpoint_step = state.step
     log0(f"resumed from {latest['dir']}: step {state.step}, weights {state.weight_version}")
     return state
+
+
+def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:
+    """Write the current policy as an HF model directory (config and tokenizer of the served model,
+    weights gathered from every TP/PP/EP shard). Every rank calls it; rank 0 writes."""
+    from megatron_acrl.sft import save_hf_dir
+
+    weights = ctx.trainer.hf_weights(all_stages=True)
+    if ctx.rank == 0:
+        save_hf_dir(weights, ctx.model_dir, out_dir)
+        log0(f"exported the policy to {out_dir}")
+    else:
+        for _ in weights:  # the gathers are collectives
+            pass
+    return Path(out_dir)

@@ -284,10 +284,11 @@ def _generate_batch(ctx: Any, prompts: list[Prompt], step: int, first_group: int
     """Rank 0: sample ``n`` completions of each prompt and score them."""
     cfg = ctx.cfg
     ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-    # Seeds depend only on (seed, step, group): a resumed run samples exactly what it would have.
-    params = ctx.engine.sampling_params(
-        seed=(cfg.training.seed * 1_000_003 + step * 10_007 + first_group) % 2**31
-    )
+    # No per-request sampling seeds: SGLang 0.5.23 on CPU repeats the same completions for different
+    # prompts and steps when given consecutive seeds (measured: identical samples one request apart),
+    # which collapses group diversity. The servers' own RNG (--random-seed) is used instead; exact
+    # reruns of the trainer side go through --save-rollouts / --load-rollouts.
+    params = ctx.engine.sampling_params()
     groups = ctx.engine.generate(ids, cfg.rollout.n_samples_per_prompt, params)
     return score_groups(
         ctx.task,

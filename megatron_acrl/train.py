@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from megatron_acrl.advantages import compute_advantages, minibatches
-from megatron_acrl.checkpoint import DriverState, load_driver_state, save_checkpoint
+from megatron_acrl.checkpoint import DriverState, export_hf, load_driver_state, save_checkpoint
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.rollout import collect_rollouts, evaluate, log_extras
 from megatron_acrl.runtime import RunContext, setup_run
@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--save-rollouts", default=None, metavar="DIR", help="record every rollout batch")
     ap.add_argument(
+        "--export-hf",
+        default=None,
+        metavar="DIR",
+        help="at the end, write the policy as an HF safetensors model directory",
+    )
+    ap.add_argument(
         "--load-rollouts",
         default=None,
         metavar="DIR",
@@ -101,6 +107,8 @@ def run(
         state = train(ctx, state)
         if ctx.cfg.training.checkpoint_dir and not ctx.checkpointed(state.step):
             save_checkpoint(ctx, state)
+        if args.export_hf:
+            export_hf(ctx, args.export_hf)
         if ctx.rank == 0:
             print(f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True)
     finally:

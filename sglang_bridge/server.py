@@ -240,6 +240,12 @@ class SGLangServer:
         """Spawn the process (returns at once; see :meth:`wait_healthy`)."""
         if self._proc is not None:
             raise RuntimeError(f"{self.name}: already launched (pid {self._proc.pid})")
+        model = Path(self.spec.model_path)
+        if (model.is_absolute() or self.spec.model_path.startswith(".")) and not (
+            model / "config.json"
+        ).is_file():
+            # SGLang would treat it as a hub id, fail, and (in 0.5.23) keep its process alive.
+            raise ServerStartError(f"{self.name}: model path {model} has no config.json")
         _install_hooks()
         self.port = self.spec.port or free_port(
             self.spec.host if self.spec.host != "0.0.0.0" else "127.0.0.1"

@@ -32,13 +32,13 @@ def inject(faults: dict):
         def faulty(prompt_ids, n, params):
             # Training generations happen once per step here (no dynamic sampling); eval uses greedy.
             training = params.temperature > 0
-            step = calls["n"] if training else -1
-            if training:
-                calls["n"] += 1
+            step = calls["n"] if training else -1  # counts successful training generations only
             if step == faults.get("kill_server_at_step") and not calls.get("killed"):
                 calls["killed"] = True
                 engine.servers[0].kill()
             groups = generate(prompt_ids, n, params)
+            if training:
+                calls["n"] += 1
             if step == faults.get("nan_logprob_at_step"):
                 groups[0][0].logprobs[0] = float("nan")
             return groups

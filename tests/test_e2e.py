@@ -65,7 +65,14 @@ def live(tmp_path_factory):
                 f"training.checkpoint_dir={tmp / 'live-ckpt'}",
                 "training.save_interval=2",
             ],
-            "args": ["--run-dir", str(run_dir), "--save-rollouts", str(tmp / "rollouts")],
+            "args": [
+                "--run-dir",
+                str(run_dir),
+                "--save-rollouts",
+                str(tmp / "rollouts"),
+                "--export-hf",
+                str(tmp / "export"),
+            ],
             "faults": {"kill_server_at_step": 1, "nan_logprob_at_step": 2},
         }
     ]
@@ -215,3 +222,15 @@ def test_resume_continues_exactly(live):
         for k, v in ra.items():
             if not k.startswith(skip):
                 assert rc[k] == v, (ra["step"], k)
+
+
+def test_export_to_hf_safetensors(live):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    export = live / "export"
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "model.layers.1.mlp.down_proj.weight" in names
+    model = AutoModelForCausalLM.from_pretrained(str(export))  # a normal HF directory
+    assert model.config.num_hidden_layers == 2

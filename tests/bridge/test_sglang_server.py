@@ -68,15 +68,15 @@ def test_server_killed_mid_request_gives_clear_error(victim_server: SGLangServer
     assert not victim_server.alive()
 
 
-def test_start_failure_names_server_and_shows_log(tmp_path: Path) -> None:
-    srv = SGLangServer(
-        ServerSpec(model_path=str(tmp_path / "no-such-model")),
-        tmp_path / "bad.log",
-        startup_timeout_s=120,
-        name="bad-server",
-    )
+def test_start_failure_names_server_and_shows_log(tmp_path: Path, tiny_ckpt: Path) -> None:
+    with pytest.raises(ServerStartError, match="bad-server: model path .* has no config.json"):
+        SGLangServer(
+            ServerSpec(model_path=str(tmp_path / "missing")), tmp_path / "a.log", name="bad-server"
+        ).launch()
+    spec = ServerSpec(model_path=str(tiny_ckpt), extra_args=("--no-such-flag",))
+    srv = SGLangServer(spec, tmp_path / "bad.log", startup_timeout_s=120, name="bad-server")
     with pytest.raises(ServerStartError, match=r"bad-server:\d+ exited during start-up") as info:
         with srv:
             pass
-    assert "no-such-model" in str(info.value)  # the log tail says what went wrong
+    assert "--no-such-flag" in str(info.value)  # the log tail says what went wrong
     assert not srv.alive()
