@@ -121,8 +121,10 @@ def compute_advantages(tb: dict[str, Tensor], cfg: Any) -> tuple[Tensor, dict[st
         tb: the train batch (``rewards [N]``, ``group_ids [N]``, ``loss_mask [N, L]``).
     """
     a = cfg.algorithm
-    if a.name == "ppo":
-        raise NotImplementedError("algorithm.name=ppo needs the critic; compute GAE with advantages.gae")
+    if a.name == "ppo":  # critic + GAE; also writes tb["returns"], the critic's targets
+        from megatron_acrl.ppo import ppo_advantages
+
+        return ppo_advantages(tb, a)
     norm_std = a.grpo_norm_std and a.name != "dr_grpo"
     seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=norm_std)
     adv = token_advantages(seq, tb["loss_mask"])

@@ -48,6 +48,8 @@ def save_checkpoint(ctx: RunContext, state: DriverState) -> Path | None:
         tmp = d / "driver.pt.tmp"
         torch.save(payload, tmp)
         tmp.replace(d / "driver.pt")
+    if ctx.critic is not None:  # into the same step_<n>/, before latest.json commits it
+        ctx.critic.save_checkpoint(directory, step=ctx.trainer.step)
     path = ctx.trainer.save_checkpoint(directory)  # rank files, barrier, then latest.json
     ctx.last_checkpoint_step = state.step
     log0(f"checkpoint: step {state.step} -> {path}")
@@ -61,6 +63,8 @@ def load_driver_state(ctx: RunContext) -> DriverState:
         return DriverState()
     if not ctx.trainer.load_checkpoint(t.checkpoint_dir):
         return DriverState()
+    if ctx.critic is not None:
+        ctx.critic.load_checkpoint(t.checkpoint_dir)
     latest = json.loads((Path(t.checkpoint_dir) / "latest.json").read_text())
     payload: Any = None
     if ctx.rank == 0:

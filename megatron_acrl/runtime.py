@@ -85,6 +85,7 @@ class RunContext:
     tokenizer: Any
     task: Task
     trainer: Any
+    critic: Any = None  # megatron_acrl.megatron.critic.Critic when algorithm.name == "ppo"
     engine: Any = None
     logger: Any = None
     prompt_stream: Iterator[Prompt] | None = None
@@ -216,6 +217,12 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         model_dir = sft_warmstart(cfg, model_dir, cache, tokenizer, log=log0)
     trainer = Trainer(cfg)
     trainer.load_hf(model_dir)
+    critic = None
+    if cfg.algorithm.name == "ppo":  # value model on the same layout, initialised from the policy
+        from megatron_acrl.megatron.critic import Critic
+
+        critic = Critic(cfg)
+        critic.load_hf(model_dir)
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
     unit = trainer.dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
     if per_step % unit:
@@ -240,6 +247,7 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         tokenizer=tokenizer,
         task=task,
         trainer=trainer,
+        critic=critic,
     )
     if rank == 0:
         ctx.prompt_stream = task.train_prompts(seed=cfg.training.seed)

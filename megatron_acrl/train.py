@@ -34,12 +34,16 @@ def train(ctx: RunContext, state: DriverState) -> DriverState:
         tb["old_logprobs"] = trainer.forward_logprobs(tb)["logprobs"]  # pi_old
         if cfg.algorithm.kl_coef > 0:
             tb["ref_logprobs"] = trainer.forward_logprobs(tb, reference=True)["logprobs"]
+        if ctx.critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages
+            tb["values"] = ctx.critic.forward_values(tb)["values"]
         tb["advantages"], adv_m = compute_advantages(tb, cfg)
         m.update(adv_m)
         m.update(trainer.update_controller(tb))  # ACRL: once per rollout batch
         t2 = time.perf_counter()
         for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
             m.update(trainer.train_step(mb))
+            if ctx.critic is not None:
+                m.update(ctx.critic.train_step(mb))  # critic/* metrics
         t3 = time.perf_counter()
         state.weight_version = f"step-{step + 1}"
         m.update(ctx.sync_weights(state.weight_version))

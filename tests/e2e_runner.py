@@ -5,7 +5,8 @@
 SPEC is a list of runs: ``{"config": path, "overrides": [...], "args": [...], "faults": {...}}``.
 Faults (injected through ``megatron_acrl.train.run``'s ``prepare`` hook, tests only):
 ``kill_server_at_step: k`` kills the SGLang server right before step k's generation;
-``nan_logprob_at_step: k`` turns one rollout log-prob of step k into NaN, as a faulty engine would.
+``nan_logprob_at_step: k`` turns one rollout log-prob of step k into NaN, as a faulty engine would;
+``sigterm_at_train_step: k`` sends this process SIGTERM during the k-th optimizer step (preemption).
 Each run's final driver state is appended to ``<run_dir>/state.json``.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 
 from megatron.core import parallel_state
@@ -23,6 +26,17 @@ from megatron_acrl.train import parse_args, run
 
 def inject(faults: dict):
     def prepare(ctx):
+        if "sigterm_at_train_step" in faults:
+            train_step, count = ctx.trainer.train_step, {"n": 0}
+
+            def preempted(batch):
+                out = train_step(batch)
+                count["n"] += 1
+                if count["n"] == faults["sigterm_at_train_step"]:
+                    os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends on preemption
+                return out
+
+            ctx.trainer.train_step = preempted
         engine = ctx.engine
         if engine is None or not faults:
             return

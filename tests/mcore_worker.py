@@ -181,6 +181,63 @@ def run_case(
     return out
 
 
+def run_critic_case(
+    kind: str,
+    layout: dict[str, Any],
+    init: dict[str, torch.Tensor] | None,
+    negative: bool = False,
+    checkpoint_dir: str | None = None,
+) -> dict[str, Any]:
+    """One layout of the PPO critic: forward-only values, one clipped value-loss step, export."""
+    from megatron_acrl.megatron import critic as critic_mod
+    from megatron_acrl.megatron.trainer import initialize_parallel
+
+    t0 = time.perf_counter()
+    cfg = make_config(kind, layout)
+    initialize_parallel(cfg.parallel, SEED)
+    critic = critic_mod.Critic(cfg)
+    out: dict[str, Any] = {}
+    if init is None:
+        out["init"] = {k: v.detach().clone() for k, v in critic.hf_weights(all_stages=True)}
+    else:
+        critic.load_hf(init)
+    batch = make_batch(cfg.model.vocab_size)
+    mask = batch["loss_mask"]
+    values = critic.forward_values(batch)["values"]
+    g = torch.Generator().manual_seed(9)
+    # "Old" values off by exactly 0 or +-0.5 (> value_clip): the clipped branch is active on about a
+    # quarter of the tokens, and no token sits at a rounding-level tie between the two branches
+    # (V_old + (V - V_old) != V in floating point), which would make the clip fraction layout-noise.
+    noise = batch["noise"]
+    delta = torch.where(noise.abs() > 0.7, 0.5 * noise.sign(), torch.zeros_like(noise))
+    batch["values"] = (values + delta) * mask
+    batch["returns"] = torch.randn(values.shape, generator=g) * mask
+    original_gather = critic_mod.gather_from_sequence_parallel_region
+    if negative:  # the tempting bug: reduce-scatter the (already full) input gradient under SP
+        critic_mod.gather_from_sequence_parallel_region = lambda x, tensor_parallel_output_grad, group: (
+            original_gather(x, tensor_parallel_output_grad=True, group=group)
+        )
+    try:
+        metrics = critic.train_step(batch)
+    finally:
+        critic_mod.gather_from_sequence_parallel_region = original_gather
+    out.update(
+        values=values * mask,
+        metrics=metrics,
+        after={k: v.detach().clone() for k, v in critic.hf_weights(all_stages=True)},
+    )
+    if checkpoint_dir is not None:  # resume reproduces the next step exactly
+        critic.save_checkpoint(checkpoint_dir)
+        m2 = critic.train_step(batch)
+        critic.load_checkpoint(checkpoint_dir, step=1)
+        m2_again = critic.train_step(batch)
+        out["resume"] = (m2, m2_again)
+    out["seconds"] = time.perf_counter() - t0
+    del critic
+    parallel_state.destroy_model_parallel()
+    return out
+
+
 def hf_logprobs(hf_dir: str, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """Aligned log-probs of ``tokens`` from HF transformers loading our exported checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -197,6 +254,8 @@ def scenario_reference(args: dict[str, Any]) -> dict[str, Any]:
     for kind in args["kinds"]:
         hf_dir = str(Path(args["tmp"]) / f"hf_{kind}") if kind in HF_PARITY else None
         out[kind] = run_case(kind, {}, None, hf_dir=hf_dir)
+    for kind in args.get("critic_kinds", []):
+        out[f"critic_{kind}"] = run_critic_case(kind, {}, None)
     return out
 
 
@@ -204,6 +263,15 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
     ref = torch.load(args["reference"], weights_only=False)
     results = {}
     for case in args["cases"]:
+        if case.get("critic"):
+            results[case["name"]] = run_critic_case(
+                case["kind"],
+                case["layout"],
+                ref[f"critic_{case['kind']}"]["init"],
+                negative=case.get("negative", False),
+                checkpoint_dir=case.get("checkpoint_dir"),
+            )
+            continue
         res = run_case(
             case["kind"],
             case["layout"],

@@ -148,6 +148,8 @@ ALGOS = {
         "algorithm.dynamic_sampling=true",
         "algorithm.overlong_buffer_len=2",
     ],
+    # Megatron critic + GAE; two minibatches per step, so policy and critic each take two steps.
+    "ppo": ["algorithm.loss_agg=token-mean", "algorithm.num_minibatches=2"],
 }
 METHODS = ["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
 
@@ -180,6 +182,13 @@ def test_every_algorithm_and_correction_trains_on_replayed_rollouts(live):
                     ],
                 }
             )
+    # PPO resume: the ppo/none run again, preempted after step 1, then resumed (policy + critic).
+    ppo = next(item for item in spec if item["args"][1].endswith("replay-ppo-none"))
+    ckpt = f"training.checkpoint_dir={live / 'ck-ppo'}"
+    for name, faults in (("ppo-b", {"sigterm_at_train_step": 1}), ("ppo-c", {})):
+        args = ["--run-dir", str(live / f"resume-{name}"), *ppo["args"][2:]]
+        overrides = ppo["overrides"] + [ckpt]
+        spec.append({"config": CONFIG, "overrides": overrides, "args": args, "faults": faults})
     run_spec(live, spec)
     for algo in ALGOS:
         for method in METHODS:
@@ -188,10 +197,20 @@ def test_every_algorithm_and_correction_trains_on_replayed_rollouts(live):
             for x in r:
                 assert math.isfinite(x["loss/pg_loss"]) and math.isfinite(x["grad_norm"]), (algo, method)
                 assert x["rollout/replayed"] == 1.0
+                if algo == "ppo":
+                    for key in ("critic/value_loss", "critic/grad_norm", "critic/returns_mean"):
+                        assert math.isfinite(x[key]), (method, key)
             if method == "none":
                 assert r[0]["correction/weight_mean"] == pytest.approx(1.0)
             if method == "acrl":
                 assert r[0]["acrl/y_over_x"] == pytest.approx(1.0)  # first batch is the reference
+    latest = json.loads((live / "ck-ppo" / "latest.json").read_text())
+    assert (live / "ck-ppo" / latest["dir"] / "critic_rank_00000.pt").exists()
+    straight, resumed = rows(live / "replay-ppo-none"), rows(live / "resume-ppo-c")
+    assert [x["step"] for x in rows(live / "resume-ppo-b")] == [1] and [x["step"] for x in resumed] == [2]
+    for k, v in straight[1].items():  # the critic was restored too: its values feed GAE and the loss
+        if not k.startswith(("time/", "perf/", "sync/seconds")):
+            assert resumed[0][k] == v, k
 
 
 def test_resume_continues_exactly(live):
@@ -203,10 +222,11 @@ def test_resume_continues_exactly(live):
             "overrides": common + ["training.num_steps=4", f"training.checkpoint_dir={live / 'ck-a'}"],
             "args": ["--run-dir", str(live / "resume-a"), *replay],
         },
-        {
+        {  # the same run, preempted (SIGTERM) during its 3rd step: it checkpoints step 3 and stops
             "config": CONFIG,
-            "overrides": common + ["training.num_steps=2", f"training.checkpoint_dir={live / 'ck-b'}"],
+            "overrides": common + ["training.num_steps=4", f"training.checkpoint_dir={live / 'ck-b'}"],
             "args": ["--run-dir", str(live / "resume-b"), *replay],
+            "faults": {"sigterm_at_train_step": 3},
         },
         {
             "config": CONFIG,
@@ -215,10 +235,12 @@ def test_resume_continues_exactly(live):
         },
     ]
     run_spec(live, spec)
-    a, c = rows(live / "resume-a"), rows(live / "resume-c")
-    assert [x["step"] for x in c] == [3, 4]
+    a, b, c = rows(live / "resume-a"), rows(live / "resume-b"), rows(live / "resume-c")
+    assert [x["step"] for x in b] == [1, 2, 3]  # stopped at the step boundary after SIGTERM
+    assert json.loads((live / "resume-b" / "state.json").read_text())["step"] == 3
+    assert [x["step"] for x in c] == [4]
     skip = ("time/", "perf/", "sync/seconds")
-    for ra, rc in zip(a[2:], c, strict=True):
+    for ra, rc in zip(a[3:], c, strict=True):
         for k, v in ra.items():
             if not k.startswith(skip):
                 assert rc[k] == v, (ra["step"], k)

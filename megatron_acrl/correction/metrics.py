@@ -272,6 +272,40 @@ def weight_metrics(
     return out
 
 
+def _to_floats(values: list[Tensor]) -> list[float]:
+    """Scalars -> floats with one device->host copy and few device ops.
+
+    Most partials are views into a few flat tensors (``unbind`` of one stacked result); those bases
+    are copied once each instead of stacking dozens of scalars (each stack input is a dispatch).
+    """
+    sources: list[Tensor] = []
+    where: dict[int, int] = {}  # id(source) -> index into sources
+    place: list[tuple[int, int]] = []  # (source index, element offset) per value
+    for v in values:
+        base = v._base
+        if (
+            base is not None
+            and base.dim() == 1
+            and base.is_contiguous()
+            and v.dim() == 0
+            and base.dtype == v.dtype
+        ):
+            src, off = base, v.storage_offset() - base.storage_offset()
+        else:
+            src, off = v.detach().reshape(1), 0
+        i = where.setdefault(id(src), len(sources))
+        if i == len(sources):
+            sources.append(src)
+        place.append((i, off))
+    offsets = [0]
+    for s in sources:
+        offsets.append(offsets[-1] + s.numel())
+    flat = (
+        torch.cat([s.detach().double() for s in sources]) if len(sources) > 1 else sources[0].double()
+    ).tolist()
+    return [flat[offsets[i] + off] for i, off in place]
+
+
 def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
     """Reduced partials -> final metrics as Python floats, with one host synchronisation.
 
@@ -282,9 +316,7 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
     keys = list(partials)
     if not keys:
         return {}
-    # One stack (dtypes promote to float64 where any partial is float64) and one device->host copy.
-    values = torch.stack([partials[k].detach() for k in keys]).tolist()
-    out = dict(zip(keys, values, strict=True))
+    out = dict(zip(keys, _to_floats([partials[k] for k in keys]), strict=True))
     for k in keys:
         if k.endswith("chi2_seq_lse"):
             lse = out.pop(k)

@@ -21,6 +21,10 @@ chosen mode Megatron averages it over micro-batches and DP ranks, which is its d
 
 Log-probs come from :func:`megatron_acrl.megatron.logprobs.vocab_parallel_logprobs`, aligned to the
 batch contract: position t holds log p(token t | tokens < t); position 0 holds 0.
+
+The PPO critic (:class:`ValueLossAdapter`) follows the same contract and the same scaling
+(:func:`megatron_loss_scale`); its values are aligned like the log-probs: position t holds
+V(state before token t), computed from the hidden state at position t-1; position 0 holds 0.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import AcrlSignal
 from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["LossAdapter", "LossFn", "MicroBatch"]
+__all__ = ["LossAdapter", "LossFn", "MicroBatch", "ValueLossAdapter", "megatron_loss_scale", "shift_right"]
 
 MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``tokens [b, T]`` int64 and, for training, ``loss_mask``, ``old_logprobs``,
@@ -43,6 +47,29 @@ MicroBatch = dict[str, torch.Tensor]
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """Signature of ``megatron_acrl.losses.rl_loss``."""
+
+
+def megatron_loss_scale(
+    mask: torch.Tensor, num_microbatches: int, dp_size: int
+) -> tuple[torch.Tensor, float]:
+    """``(n_local, undo)`` of one micro-batch with loss mask ``mask [b, T]``.
+
+    ``n_local`` (int tensor) is the token count returned to the schedule; multiplying a pure loss
+    (already divided by the step's global denominators) by ``undo = max(n_local, 1) *
+    num_microbatches * dp_size`` exactly cancels the schedule's ``/ clamp(n_local, 1) /
+    num_microbatches`` and DDP's ``1 / dp_size``.
+    """
+    n_local = mask.sum().to(torch.int)
+    return n_local, float(max(int(n_local), 1) * num_microbatches * dp_size)
+
+
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """``[b, T] -> [b, T]``: position t takes position t-1's value, position 0 holds 0.
+
+    The model's output at position t-1 (it has seen tokens <= t-1) belongs to token t: the
+    distribution that predicts it, or the value of the state it is chosen in.
+    """
+    return torch.cat([x.new_zeros(x.shape[0], 1), x[:, :-1]], dim=1)
 
 
 class LossAdapter:
@@ -117,11 +144,7 @@ class LossAdapter:
             with_entropy=with_entropy,
             inplace_backward=inplace_backward,
         )
-        zero = lp.new_zeros(lp.shape[0], 1)
-        lp = torch.cat([zero, lp[:, :-1]], dim=1)
-        if ent is not None:
-            ent = torch.cat([zero, ent[:, :-1]], dim=1)
-        return lp, ent
+        return shift_right(lp), (shift_right(ent) if ent is not None else None)
 
     def train_loss_func(
         self,
@@ -143,9 +166,8 @@ class LossAdapter:
             dp_size: data-parallel size (DDP averages over it).
         """
         mask = micro["loss_mask"].float()
-        n_local = mask.sum().to(torch.int)
         # Exactly cancels the schedule's "/ clamp(num_tokens, 1) / num_microbatches" and DDP's 1/dp.
-        undo = float(max(int(n_local), 1) * num_microbatches * dp_size)
+        n_local, undo = megatron_loss_scale(mask, num_microbatches, dp_size)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             # The logits feed nothing else: backward may overwrite them with their gradient.
@@ -178,5 +200,77 @@ class LossAdapter:
             with torch.no_grad():
                 lp, ent = self.token_logprobs(logits, micro["tokens"], with_entropy=with_entropy)
             return {"logprobs": lp, "entropy": ent}
+
+        return collect
+
+
+class ValueLossAdapter:
+    """Turns the critic's per-position values of one micro-batch into Megatron's (loss, num_tokens,
+    metrics), with the same scaling contract as :class:`LossAdapter`.
+
+    The critic's model output is ``[b, T, 1]`` float32: position p holds the value of the state after
+    tokens <= p. :meth:`token_values` aligns it to the batch contract (``values[:, t]`` = V(state
+    before token t), 0 at t = 0), so GAE and the loss index values like log-probs.
+
+    Args:
+        clip: PPO value clip range (``algorithm.value_clip``).
+        coef: weight of the value loss in the critic's objective (``algorithm.value_coef``); it scales
+            the gradient (matters for gradient clipping and Adam's eps), metrics stay unscaled.
+        loss_fn: the pure value loss; default ``megatron_acrl.losses.value_loss``.
+    """
+
+    def __init__(self, *, clip: float, coef: float = 1.0, loss_fn: LossFn | None = None) -> None:
+        if loss_fn is None:
+            from megatron_acrl.losses import value_loss
+
+            loss_fn = value_loss
+        self.clip = clip
+        self.coef = coef
+        self.loss_fn = loss_fn
+
+    @staticmethod
+    def token_values(out: torch.Tensor) -> torch.Tensor:
+        """``[b, T, 1]`` value-head output -> ``[b, T]`` float32 aligned values (0 at t = 0)."""
+        return shift_right(out.squeeze(-1).float())
+
+    def train_loss_func(
+        self,
+        micro: MicroBatch,
+        *,
+        num_tokens: torch.Tensor,
+        num_microbatches: int,
+        dp_size: int,
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
+        """The ``loss_func`` for ``micro`` (``tokens, loss_mask, values`` (old), ``returns``, ``[b, T]``).
+
+        Args:
+            num_tokens: valid tokens of the whole optimizer step (the global denominator).
+            num_microbatches / dp_size: as in :meth:`LossAdapter.train_loss_func`.
+        """
+        mask = micro["loss_mask"].float()
+        n_local, undo = megatron_loss_scale(mask, num_microbatches, dp_size)
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            values = self.token_values(out)
+            loss, metrics = self.loss_fn(
+                values,
+                micro["values"].float(),
+                micro["returns"].float(),
+                mask,
+                clip=self.clip,
+                num_tokens=num_tokens,
+            )
+            n_tok = torch.as_tensor(num_tokens, dtype=values.dtype).clamp_min(1)
+            metrics["critic/vpred_mean"] = (values.detach() * mask).sum() / n_tok  # partial (SUM)
+            return loss * (self.coef * undo), n_local, metrics
+
+        return loss_func
+
+    def forward_only_func(self, micro: MicroBatch) -> Callable[..., dict[str, Any]]:
+        """``loss_func`` for ``collect_non_loss_data=True``: returns aligned values, no loss."""
+
+        def collect(out: torch.Tensor, non_loss_data: bool = True) -> dict[str, Any]:
+            with torch.no_grad():
+                return {"values": self.token_values(out)}
 
         return collect

@@ -61,7 +61,7 @@ from megatron_acrl.correction import (  # noqa: E402
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn  # noqa: E402
 from sglang_bridge import convert  # noqa: E402
 
-__all__ = ["Trainer", "initialize_parallel"]
+__all__ = ["MegatronModel", "Trainer", "initialize_parallel"]
 
 TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages")
 
@@ -92,13 +92,21 @@ class _Entry:
     names: list[str]  # canonical names of the full tensors it yields (several for EP)
 
 
-class Trainer:
-    """Megatron-Core policy (and optional reference model) for RL post-training.
+class MegatronModel:
+    """A Megatron-Core GPT model trained with its own optimizer: the shared half of :class:`Trainer`
+    (the policy) and ``megatron_acrl.megatron.critic.Critic`` (the PPO value model).
+
+    Holds the DDP-wrapped chunks of this rank, the Megatron optimizer and LR schedule, and the
+    pieces both models drive the same way: micro-batching of this DP rank's slice, the pipeline
+    schedule, the forward-only gather (last stage -> every rank), one optimizer step with reduced
+    metrics, HF weights in and out (streamed, TP/EP shards gathered) and per-rank checkpoint files.
+
+    Subclasses customise the model through :meth:`_build_chunks` and the HF mapping of their own
+    parameters through :meth:`_to_hf` / :meth:`_from_hf`.
 
     Args:
         cfg: the run configuration.
         pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
-        loss_fn: the pure loss (default ``megatron_acrl.losses.rl_loss``).
         total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
             num_minibatches``).
     """
@@ -108,7 +116,6 @@ class Trainer:
         cfg: Config,
         *,
         pg_collection: ProcessGroupCollection | None = None,
-        loss_fn: LossFn | None = None,
         total_steps: int | None = None,
     ) -> None:
         self.cfg = cfg
@@ -129,7 +136,7 @@ class Trainer:
             # 1/dp pre-scaling (not an AVG collective, which gloo lacks); the adapter undoes it.
             average_in_collective=False,
         )
-        chunks = build_model_chunks(cfg.model, cfg.parallel, self.config, pg)
+        chunks = self._build_chunks()
         self.model = [
             DistributedDataParallel(
                 self.config, self.ddp_config, c, disable_bucketing=i > 0, pg_collection=pg
@@ -174,29 +181,14 @@ class Trainer:
             wd_incr_steps=max(steps, 1),
             wd_incr_style="constant",
         )
-        self.ref_model: list[torch.nn.Module] | None = None
-        if a.kl_coef > 0:
-            ref_config = transformer_config(cfg.model, cfg.parallel)
-            self.ref_model = build_model_chunks(cfg.model, cfg.parallel, ref_config, pg)
-            for chunk in self.ref_model:
-                chunk.requires_grad_(False)
-            self._copy_policy_to_ref()
-
-        self.adapter = LossAdapter(
-            algorithm=a,
-            correction=cfg.correction,
-            tp_group=pg.tp,
-            vocab_size=cfg.model.vocab_size,
-            temperature=cfg.rollout.temperature,
-            chunk_size=t.logprob_chunk_size,
-            norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens,
-            loss_fn=loss_fn,
-        )
-        self.controller = AcrlController(cfg.correction) if cfg.correction.method == "acrl" else None
         self.step = 0
 
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        """This rank's (not yet DDP-wrapped) model chunks; subclasses may change their heads."""
+        return build_model_chunks(self.cfg.model, self.cfg.parallel, self.config, self.pg)
+
     # ----------------------------------------------------------------------------------------
-    # Batches
+    # Batches and the schedule
     # ----------------------------------------------------------------------------------------
 
     def _seq_multiple(self) -> int:
@@ -237,7 +229,7 @@ class Trainer:
         self,
         model: list[torch.nn.Module],
         micro: list[dict],
-        loss_func_for,
+        loss_func_for,  # noqa: ANN001 - micro-batch -> Megatron loss_func
         forward_only: bool,
         collect: bool,
     ) -> list[Any]:
@@ -275,11 +267,308 @@ class Trainer:
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pg.pp)
         return box[0]
 
+    @torch.no_grad()
+    def _forward_only(
+        self,
+        model: list[torch.nn.Module],
+        batch: Mapping[str, torch.Tensor],
+        collect_for,  # noqa: ANN001 - micro-batch -> collect function returning {key: [b, T]}
+        keys: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """Run ``model`` forward-only over ``batch["tokens"] [N, L]`` and return ``{key: [N, L]}`` on
+        every rank: micro-batch outputs are concatenated and cut back to L on the last stage,
+        all-gathered over DP (ranks hold contiguous slices, so rank order is batch order), then
+        broadcast over the pipeline group."""
+        for chunk in model:
+            chunk.eval()
+        micro = self._micro_batches(batch, ("tokens",))
+        out = self._run_schedule(model, micro, collect_for, True, True)
+        length = batch["tokens"].shape[1]
+        result: dict[str, torch.Tensor] | None = None
+        if self.is_last_stage:
+            result = {}
+            for k in keys:
+                v = torch.cat([o[k] for o in out], 0)[:, :length].contiguous()
+                parts = [torch.empty_like(v) for _ in range(self.dp_size)]
+                dist.all_gather(parts, v, group=self.pg.dp)
+                result[k] = torch.cat(parts, 0)
+        result = self._broadcast_from_last_stage(result)
+        for chunk in self.model:
+            chunk.train()
+        return result
+
+    def _optimizer_step(self, micro: list[dict], loss_func_for) -> dict[str, float]:  # noqa: ANN001
+        """Forward/backward over ``micro`` under the schedule, then one optimizer and LR step.
+
+        Returns the loss function's partial metrics reduced over micro-batches and DP (same on every
+        rank), plus ``grad_norm``, ``lr`` (the rate this step used) and ``update_successful``.
+        """
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run_schedule(self.model, micro, loss_func_for, False, False)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+
+        metrics: dict[str, float] | None = None
+        if self.is_last_stage:
+            partials = all_reduce_partials(combine_partials(out), group=self.pg.dp)
+            metrics = finalize_metrics(partials)
+        metrics = dict(self._broadcast_from_last_stage(metrics))
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = lr
+        metrics["update_successful"] = float(bool(ok))
+        return metrics
+
+    # ----------------------------------------------------------------------------------------
+    # Weights: HF export (streamed) and load
+    # ----------------------------------------------------------------------------------------
+
+    def _to_hf(self, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """HF ``(name, tensor)`` pairs of one full canonical Megatron tensor."""
+        return convert.megatron_to_hf(name, full, self.info)
+
+    def _from_hf(self, name: str, get) -> torch.Tensor:  # noqa: ANN001 - get(hf_name) -> tensor
+        """The full canonical Megatron tensor ``name`` built from HF tensors."""
+        return convert.hf_to_megatron(name, get, self.info, padded_vocab=self.padded_vocab)
+
+    def _entries(self, model: list[torch.nn.Module]) -> list[_Entry]:
+        """Local parameters with their canonical names (the same order on every rank of a stage)."""
+        ep_size = self.pg.ep.size()
+        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
+        entries = []
+        for vp_stage, chunk in enumerate(model):
+            offset = get_transformer_layer_offset(
+                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
+            )
+            gpt = unwrap(chunk)
+            for name, param in gpt.named_parameters():
+                local = convert.canonical_name(name, layer_offset=offset)
+                if local == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
+                    continue  # the tied copy on the last stage; exported from the embedding
+                is_expert = not getattr(param, "allreduce", True)
+                if is_expert:
+                    names = [
+                        convert.canonical_name(local, expert_offset=r * n_local_experts)
+                        for r in range(ep_size)
+                    ]
+                else:
+                    names = [local]
+                entries.append(_Entry(param, local, is_expert, names))
+        return entries
+
+    def _gather_full(self, e: _Entry) -> list[torch.Tensor]:
+        """Full tensors of one entry (collective over TP, expert-TP and EP groups of this stage)."""
+        t = e.param.detach()
+        if getattr(e.param, "tensor_model_parallel", False):
+            group = self.pg.expt_tp if e.is_expert else self.pg.tp
+            if group.size() > 1:
+                shards = [torch.empty_like(t) for _ in range(group.size())]
+                dist.all_gather(shards, t.contiguous(), group=group)
+                t = convert.tp_merge(e.local_name, shards, e.param.partition_dim)
+        if e.is_expert and self.pg.ep.size() > 1:
+            parts = [torch.empty_like(t) for _ in range(self.pg.ep.size())]
+            dist.all_gather(parts, t.contiguous(), group=self.pg.ep)
+            return parts
+        return [t]
+
+    def hf_weights(self, all_stages: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream ``(hf_name, full tensor)`` pairs, one tensor at a time, gathered from TP/EP shards.
+
+        Every rank must iterate (the gathers are collectives). With ``all_stages=False`` a rank yields
+        the tensors of its own pipeline stage (what per-stage weight sync needs: the (DP0, TP0) rank of
+        each stage sends); with ``all_stages=True`` every rank yields the whole model, stage by stage
+        (tensors are broadcast over the pipeline group). Tensors keep the model's dtype and must be
+        treated as read-only.
+        """
+        entries = self._entries(self.model)
+        if not all_stages or self.pp_size == 1:
+            for e in entries:
+                for name, full in zip(e.names, self._gather_full(e), strict=True):
+                    yield from self._to_hf(name, full)
+            return
+        # Shapes/dtypes of every stage's full tensors, so receivers can allocate.
+        plan = []
+        for e in entries:
+            shape = list(e.param.shape)
+            if getattr(e.param, "tensor_model_parallel", False):
+                group = self.pg.expt_tp if e.is_expert else self.pg.tp
+                shape[e.param.partition_dim] *= group.size()
+            plan.append((e.names, shape, str(e.param.dtype).replace("torch.", "")))
+        plans: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(plans, plan, group=self.pg.pp)
+        for stage in range(self.pp_size):
+            src = dist.get_global_rank(self.pg.pp, stage)
+            mine = stage == self.pp_rank
+            for i, (names, shape, dtype) in enumerate(plans[stage]):
+                fulls = (
+                    self._gather_full(entries[i])
+                    if mine
+                    else [torch.empty(shape, dtype=getattr(torch, dtype)) for _ in names]
+                )
+                for name, full in zip(names, fulls, strict=True):
+                    full = full.contiguous()
+                    dist.broadcast(full, src=src, group=self.pg.pp)
+                    yield from self._to_hf(name, full)
+
+    def load_hf(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
+        """Load HF weights (a safetensors file/directory or a name -> tensor mapping) into the model.
+        Every rank reads only the tensors its shards need."""
+        get, close = _hf_getter(source)
+        try:
+            self._load_into(self.model, get)
+        finally:
+            close()
+        self.optimizer.reload_model_params()  # refresh fp32 main params (bf16 / distributed opt.)
+
+    @torch.no_grad()
+    def _load_into(self, model: list[torch.nn.Module], get) -> None:  # noqa: ANN001
+        ep_size, ep_rank = self.pg.ep.size(), self.pg.ep.rank()
+        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
+        for vp_stage, chunk in enumerate(model):
+            offset = get_transformer_layer_offset(
+                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
+            )
+            for name, param in unwrap(chunk).named_parameters():
+                is_expert = not getattr(param, "allreduce", True)
+                canon = convert.canonical_name(
+                    name, layer_offset=offset, expert_offset=ep_rank * n_local_experts if is_expert else 0
+                )
+                full = self._from_hf(canon, get)
+                if getattr(param, "tensor_model_parallel", False):
+                    group = self.pg.expt_tp if is_expert else self.pg.tp
+                    full = convert.tp_shard(canon, full, group.size(), group.rank(), param.partition_dim)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{canon}: HF weights give shape {tuple(full.shape)}, "
+                        f"the model has {tuple(param.shape)}"
+                    )
+                param.copy_(full)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints (per rank; resume with the same layout)
+    # ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state: model shards, optimizer, LR schedule, step, layout."""
+        opt_param_state = [
+            o.get_parameter_state_dp_reshardable()
+            for o in _leaf_optimizers(self.optimizer)
+            if hasattr(o, "get_parameter_state_dp_reshardable")
+        ]
+        return {
+            "model": [unwrap(c).state_dict() for c in self.model],
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_param_state": opt_param_state,
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "layout": self._layout(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same parallel layout)."""
+        if state["layout"] != self._layout():
+            raise ValueError(f"checkpoint layout {state['layout']} != this run's {self._layout()}")
+        for chunk, sd in zip(self.model, state["model"], strict=True):
+            unwrap(chunk).load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        leaves = [
+            o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")
+        ]
+        for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
+            o.load_parameter_state_from_dp_reshardable(s)
+        if not leaves:
+            self.optimizer.reload_model_params()
+        self.scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+    def _save_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> Path:
+        """Write this rank's :meth:`state_dict` to ``directory/step_<n>/<prefix>rank_<r>.pt`` (n is
+        ``step`` or this model's own step; all ranks call it; returns after a barrier)."""
+        path = Path(directory) / f"step_{self.step if step is None else step:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), path / f"{prefix}rank_{dist.get_rank():05d}.pt")
+        dist.barrier()
+        return path
+
+    def _load_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> bool:
+        """Load ``<prefix>rank_<r>.pt`` of ``step_<step>`` or, with ``step=None``, of the directory
+        ``latest.json`` names (False when there is none)."""
+        if step is None:
+            latest = Path(directory) / "latest.json"
+            if not latest.exists():
+                return False
+            sub = json.loads(latest.read_text())["dir"]
+        else:
+            sub = f"step_{step:08d}"
+        path = Path(directory) / sub / f"{prefix}rank_{dist.get_rank():05d}.pt"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: checkpoint {sub} is incomplete or lacks this model")
+        self.load_state_dict(torch.load(path, weights_only=False))
+        return True
+
+    def _layout(self) -> dict[str, Any]:
+        p = self.cfg.parallel
+        return {
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "ep": p.ep,
+            "dp": self.dp_size,
+            "distributed_optimizer": p.distributed_optimizer,
+            "world": dist.get_world_size(),
+        }
+
+
+class Trainer(MegatronModel):
+    """Megatron-Core policy (and optional reference model) for RL post-training.
+
+    Args:
+        cfg: the run configuration.
+        pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
+        loss_fn: the pure loss (default ``megatron_acrl.losses.rl_loss``).
+        total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
+            num_minibatches``).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        pg_collection: ProcessGroupCollection | None = None,
+        loss_fn: LossFn | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        super().__init__(cfg, pg_collection=pg_collection, total_steps=total_steps)
+        a = cfg.algorithm
+        self.ref_model: list[torch.nn.Module] | None = None
+        if a.kl_coef > 0:
+            ref_config = transformer_config(cfg.model, cfg.parallel)
+            self.ref_model = build_model_chunks(cfg.model, cfg.parallel, ref_config, self.pg)
+            for chunk in self.ref_model:
+                chunk.requires_grad_(False)
+            self._copy_policy_to_ref()
+
+        self.adapter = LossAdapter(
+            algorithm=a,
+            correction=cfg.correction,
+            tp_group=self.pg.tp,
+            vocab_size=cfg.model.vocab_size,
+            temperature=cfg.rollout.temperature,
+            chunk_size=cfg.training.logprob_chunk_size,
+            norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens,
+            loss_fn=loss_fn,
+        )
+        self.controller = AcrlController(cfg.correction) if cfg.correction.method == "acrl" else None
+
     # ----------------------------------------------------------------------------------------
     # Forward-only log-probs (pi_old, reference)
     # ----------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def forward_logprobs(
         self, batch: Mapping[str, torch.Tensor], *, reference: bool = False, with_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -298,26 +587,10 @@ class Trainer:
             if self.ref_model is None:
                 raise RuntimeError("no reference model: set algorithm.kl_coef > 0")
             model = self.ref_model
-        for chunk in model:
-            chunk.eval()
-        micro = self._micro_batches(batch, ("tokens",))
-        out = self._run_schedule(
-            model, micro, lambda mb: self.adapter.forward_only_func(mb, with_entropy), True, True
+        keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+        return self._forward_only(
+            model, batch, lambda mb: self.adapter.forward_only_func(mb, with_entropy), keys
         )
-        length = batch["tokens"].shape[1]
-        result: dict[str, torch.Tensor] | None = None
-        if self.is_last_stage:
-            keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-            local = {k: torch.cat([o[k] for o in out], 0)[:, :length].contiguous() for k in keys}
-            result = {}
-            for k, v in local.items():  # DP ranks hold contiguous slices: gather in rank order
-                parts = [torch.empty_like(v) for _ in range(self.dp_size)]
-                dist.all_gather(parts, v, group=self.pg.dp)
-                result[k] = torch.cat(parts, 0)
-        result = self._broadcast_from_last_stage(result)
-        for chunk in self.model:
-            chunk.train()
-        return result
 
     # ----------------------------------------------------------------------------------------
     # ACRL controller
@@ -374,10 +647,6 @@ class Trainer:
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum().float()
         micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs",))
-        for chunk in self.model:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
         loss_func_for = partial(
             self.adapter.train_loss_func,
             acrl=signal,
@@ -386,107 +655,14 @@ class Trainer:
             num_microbatches=len(micro),
             dp_size=self.dp_size,
         )
-        out = self._run_schedule(self.model, micro, lambda mb: loss_func_for(mb), False, False)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        self.step += 1
-
-        metrics: dict[str, float] | None = None
-        if self.is_last_stage:
-            partials = all_reduce_partials(combine_partials(out), group=self.pg.dp)
-            metrics = finalize_metrics(partials)
-        metrics = dict(self._broadcast_from_last_stage(metrics))
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["lr"] = lr
-        metrics["update_successful"] = float(bool(ok))
+        metrics = self._optimizer_step(micro, loss_func_for)
         if self.controller is not None:
             metrics.update(self.controller.metrics())
         return metrics
 
     # ----------------------------------------------------------------------------------------
-    # Weights: HF export (streamed) and load
+    # Weights: HF export and load (the streaming itself lives in MegatronModel)
     # ----------------------------------------------------------------------------------------
-
-    def _entries(self, model: list[torch.nn.Module]) -> list[_Entry]:
-        """Local parameters with their canonical names (the same order on every rank of a stage)."""
-        ep_size, ep_rank = self.pg.ep.size(), self.pg.ep.rank()
-        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
-        entries = []
-        for vp_stage, chunk in enumerate(model):
-            offset = get_transformer_layer_offset(
-                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
-            )
-            gpt = unwrap(chunk)
-            for name, param in gpt.named_parameters():
-                local = convert.canonical_name(name, layer_offset=offset)
-                if local == "output_layer.weight" and self.cfg.model.tie_embeddings:
-                    continue  # the tied copy on the last stage; exported from the embedding
-                is_expert = not getattr(param, "allreduce", True)
-                if is_expert:
-                    names = [
-                        convert.canonical_name(local, expert_offset=r * n_local_experts)
-                        for r in range(ep_size)
-                    ]
-                else:
-                    names = [local]
-                entries.append(_Entry(param, local, is_expert, names))
-        del ep_rank
-        return entries
-
-    def _gather_full(self, e: _Entry) -> list[torch.Tensor]:
-        """Full tensors of one entry (collective over TP, expert-TP and EP groups of this stage)."""
-        t = e.param.detach()
-        if getattr(e.param, "tensor_model_parallel", False):
-            group = self.pg.expt_tp if e.is_expert else self.pg.tp
-            if group.size() > 1:
-                shards = [torch.empty_like(t) for _ in range(group.size())]
-                dist.all_gather(shards, t.contiguous(), group=group)
-                t = convert.tp_merge(e.local_name, shards, e.param.partition_dim)
-        if e.is_expert and self.pg.ep.size() > 1:
-            parts = [torch.empty_like(t) for _ in range(self.pg.ep.size())]
-            dist.all_gather(parts, t.contiguous(), group=self.pg.ep)
-            return parts
-        return [t]
-
-    def hf_weights(self, all_stages: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream ``(hf_name, full tensor)`` pairs, one tensor at a time, gathered from TP/EP shards.
-
-        Every rank must iterate (the gathers are collectives). With ``all_stages=False`` a rank yields
-        the tensors of its own pipeline stage (what per-stage weight sync needs: the (DP0, TP0) rank of
-        each stage sends); with ``all_stages=True`` every rank yields the whole model, stage by stage
-        (tensors are broadcast over the pipeline group). Tensors keep the model's dtype and must be
-        treated as read-only.
-        """
-        entries = self._entries(self.model)
-        if not all_stages or self.pp_size == 1:
-            for e in entries:
-                for name, full in zip(e.names, self._gather_full(e), strict=True):
-                    yield from convert.megatron_to_hf(name, full, self.info)
-            return
-        # Shapes/dtypes of every stage's full tensors, so receivers can allocate.
-        plan = []
-        for e in entries:
-            shape = list(e.param.shape)
-            if getattr(e.param, "tensor_model_parallel", False):
-                group = self.pg.expt_tp if e.is_expert else self.pg.tp
-                shape[e.param.partition_dim] *= group.size()
-            plan.append((e.names, shape, str(e.param.dtype).replace("torch.", "")))
-        plans: list[Any] = [None] * self.pp_size
-        dist.all_gather_object(plans, plan, group=self.pg.pp)
-        for stage in range(self.pp_size):
-            src = dist.get_global_rank(self.pg.pp, stage)
-            mine = stage == self.pp_rank
-            for i, (names, shape, dtype) in enumerate(plans[stage]):
-                fulls = (
-                    self._gather_full(entries[i])
-                    if mine
-                    else [torch.empty(shape, dtype=getattr(torch, dtype)) for _ in names]
-                )
-                for name, full in zip(names, fulls, strict=True):
-                    full = full.contiguous()
-                    dist.broadcast(full, src=src, group=self.pg.pp)
-                    yield from convert.megatron_to_hf(name, full, self.info)
 
     def save_hf(self, directory: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
         """Write an HF checkpoint (``config.json`` + safetensors shards) from rank 0; all ranks call it.
@@ -526,40 +702,10 @@ class Trainer:
         dist.barrier()
 
     def load_hf(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
-        """Load HF weights (a safetensors file/directory or a name -> tensor mapping) into the policy
-        (and the reference model). Every rank reads only the tensors its shards need."""
-        get, close = _hf_getter(source)
-        try:
-            self._load_into(self.model, get)
-        finally:
-            close()
-        self.optimizer.reload_model_params()  # refresh fp32 main params (bf16 / distributed opt.)
+        """Load HF weights into the policy (and copy them into the reference model)."""
+        super().load_hf(source)
         if self.ref_model is not None:
             self._copy_policy_to_ref()
-
-    @torch.no_grad()
-    def _load_into(self, model: list[torch.nn.Module], get) -> None:  # noqa: ANN001
-        ep_size, ep_rank = self.pg.ep.size(), self.pg.ep.rank()
-        n_local_experts = (self.cfg.model.num_experts // ep_size) if self.cfg.model.num_experts else 0
-        for vp_stage, chunk in enumerate(model):
-            offset = get_transformer_layer_offset(
-                self.config, vp_stage=vp_stage if self.cfg.parallel.vpp else None, pp_rank=self.pp_rank
-            )
-            for name, param in unwrap(chunk).named_parameters():
-                is_expert = not getattr(param, "allreduce", True)
-                canon = convert.canonical_name(
-                    name, layer_offset=offset, expert_offset=ep_rank * n_local_experts if is_expert else 0
-                )
-                full = convert.hf_to_megatron(canon, get, self.info, padded_vocab=self.padded_vocab)
-                if getattr(param, "tensor_model_parallel", False):
-                    group = self.pg.expt_tp if is_expert else self.pg.tp
-                    full = convert.tp_shard(canon, full, group.size(), group.rank(), param.partition_dim)
-                if tuple(full.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"{canon}: HF weights give shape {tuple(full.shape)}, "
-                        f"the model has {tuple(param.shape)}"
-                    )
-                param.copy_(full)
 
     @torch.no_grad()
     def _copy_policy_to_ref(self) -> None:
@@ -574,77 +720,43 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's full training state: model shards, optimizer, LR schedule, controller, step."""
-        opt_param_state = [
-            o.get_parameter_state_dp_reshardable()
-            for o in _leaf_optimizers(self.optimizer)
-            if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
-        return {
-            "model": [unwrap(c).state_dict() for c in self.model],
-            "ref_model": [unwrap(c).state_dict() for c in self.ref_model] if self.ref_model else None,
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_param_state": opt_param_state,
-            "scheduler": self.scheduler.state_dict(),
-            "controller": self.controller.state_dict() if self.controller is not None else None,
-            "step": self.step,
-            "layout": self._layout(),
-        }
+        state = super().state_dict()
+        state["ref_model"] = [unwrap(c).state_dict() for c in self.ref_model] if self.ref_model else None
+        state["controller"] = self.controller.state_dict() if self.controller is not None else None
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (same parallel layout)."""
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint layout {state['layout']} != this run's {self._layout()}")
-        for chunk, sd in zip(self.model, state["model"], strict=True):
-            unwrap(chunk).load_state_dict(sd)
+        super().load_state_dict(state)
         if self.ref_model is not None and state["ref_model"] is not None:
             for chunk, sd in zip(self.ref_model, state["ref_model"], strict=True):
                 unwrap(chunk).load_state_dict(sd)
-        self.optimizer.load_state_dict(state["optimizer"])
-        leaves = [
-            o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
-        for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
-            o.load_parameter_state_from_dp_reshardable(s)
-        if not leaves:
-            self.optimizer.reload_model_params()
-        self.scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count
-        self.scheduler.load_state_dict(state["scheduler"])
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
-        self.step = int(state["step"])
 
     def save_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """Write this rank's state to ``directory/step_<n>/rank_<r>.pt`` (all ranks call it)."""
-        path = Path(directory) / f"step_{self.step:08d}"
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), path / f"rank_{dist.get_rank():05d}.pt")
-        dist.barrier()
+        """Write this rank's state to ``directory/step_<n>/rank_<r>.pt`` (all ranks call it), then
+        ``latest.json`` -- the commit point, so it must stay the last thing written: other state of the
+        step (the driver's, the critic's) is saved into ``step_<n>/`` before this call.
+
+        ``latest.json`` is replaced atomically (a temporary file, fsync, ``os.replace``): a crash
+        mid-write leaves the previous, complete checkpoint as the one that resumes.
+        """
+        path = self._save_rank_file(directory, "")
         if dist.get_rank() == 0:
-            (Path(directory) / "latest.json").write_text(json.dumps({"step": self.step, "dir": path.name}))
+            latest = Path(directory) / "latest.json"
+            tmp = latest.with_name(f".latest.json.tmp-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(json.dumps({"step": self.step, "dir": path.name}))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, latest)
         dist.barrier()
         return path
 
     def load_checkpoint(self, directory: str | os.PathLike) -> bool:
         """Resume from ``directory/latest.json`` if present; returns whether a checkpoint was loaded."""
-        latest = Path(directory) / "latest.json"
-        if not latest.exists():
-            return False
-        sub = json.loads(latest.read_text())["dir"]
-        state = torch.load(Path(directory) / sub / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
-        self.load_state_dict(state)
-        return True
-
-    def _layout(self) -> dict[str, Any]:
-        p = self.cfg.parallel
-        return {
-            "tp": p.tp,
-            "pp": p.pp,
-            "vpp": p.vpp,
-            "ep": p.ep,
-            "dp": self.dp_size,
-            "distributed_optimizer": p.distributed_optimizer,
-            "world": dist.get_world_size(),
-        }
+        return self._load_rank_file(directory, "")
 
 
 def _leaf_optimizers(optimizer: Any) -> list[Any]:

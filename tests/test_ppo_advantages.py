@@ -1,0 +1,76 @@
+"""PPO advantages (``megatron_acrl.ppo``): token rewards, GAE wiring, whitening, the returns contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_acrl.advantages import compute_advantages
+from megatron_acrl.config import config_from_dict
+from megatron_acrl.ppo import last_token_rewards, masked_whiten, ppo_advantages
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    mask = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 0],  # prompt 2, response 3, right padding 1
+            [0, 1, 1, 1, 1, 1],
+            [0, 0, 0, 0, 0, 0],  # no response token (e.g. an empty completion)
+        ],
+        dtype=torch.float32,
+    )
+    g = torch.Generator().manual_seed(0)
+    return {
+        "rewards": torch.tensor([1.0, -0.5, 2.0]),
+        "group_ids": torch.tensor([0, 0, 1]),
+        "loss_mask": mask,
+        "values": torch.randn(3, 6, generator=g),
+    }
+
+
+def test_last_token_rewards_places_the_reward_on_the_last_response_token():
+    tb = _batch()
+    r = last_token_rewards(tb["rewards"], tb["loss_mask"])
+    assert r.tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, -0.5], [0] * 6]
+
+
+def test_masked_whiten_statistics_over_valid_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -50.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    w = masked_whiten(x, m)
+    valid = w[m > 0]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert valid.std().item() == pytest.approx(1.0, rel=1e-5)
+    assert w[m == 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8)])
+def test_ppo_advantages_match_a_reference_loop(gamma, lam):
+    tb = _batch()
+    cfg = config_from_dict({"algorithm": {"name": "ppo", "gae_gamma": gamma, "gae_lambda": lam}})
+    adv, metrics = compute_advantages(tb, cfg)
+    raw, _ = ppo_advantages(dict(tb), cfg.algorithm, whiten=False)
+    # Reference: over each row's response tokens only, values[t] = V(state before token t).
+    mask, values = tb["loss_mask"], tb["values"]
+    for i in range(2):
+        idx = mask[i].nonzero().squeeze(-1).tolist()
+        nxt, running = 0.0, 0.0
+        for j, t in reversed(list(enumerate(idx))):
+            reward = tb["rewards"][i].item() if j == len(idx) - 1 else 0.0
+            delta = reward + gamma * nxt - values[i, t].item()
+            running = delta + gamma * lam * running
+            nxt = values[i, t].item()
+            assert raw[i, t].item() == pytest.approx(running, rel=1e-5, abs=1e-6)
+            expected_return = running + values[i, t].item()
+            assert tb["returns"][i, t].item() == pytest.approx(expected_return, rel=1e-5, abs=1e-6)
+    assert raw[mask == 0].abs().max() == 0 and tb["returns"][mask == 0].abs().max() == 0
+    assert adv[mask > 0].mean().item() == pytest.approx(0.0, abs=1e-6)  # whitened
+    assert torch.allclose(adv, masked_whiten(raw, mask))
+    assert {"advantages/mean", "critic/returns_mean", "critic/values_mean"} <= set(metrics)
+
+
+def test_ppo_needs_the_critic_values():
+    tb = _batch()
+    del tb["values"]
+    with pytest.raises(KeyError, match="Critic.forward_values"):
+        compute_advantages(tb, config_from_dict({"algorithm": {"name": "ppo"}}))
