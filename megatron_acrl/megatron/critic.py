@@ -82,7 +82,12 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group: torch.distributed.ProcessGroup) -> None:
         super().__init__()
-        self.score = torch.nn.Linear(config.hidden_size, 1, bias=False, dtype=config.params_dtype)
+        # Where Megatron puts its own parameters (DDP needs one device): the GPU unless CPU init.
+        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.score = torch.nn.Linear(
+            config.hidden_size, 1, bias=False, dtype=config.params_dtype, device=device
+        )
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel and tp_group.size() > 1
 

@@ -480,8 +480,9 @@ class MegatronModel:
         ]
         for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
             o.load_parameter_state_from_dp_reshardable(s)
-        if not leaves:
-            self.optimizer.reload_model_params()
+        # No reload_model_params() here: the bf16 optimizer's load_state_dict has just restored the
+        # fp32 main params, and copying the bf16 model params over them would round them to bf16
+        # (a resumed bf16 run then drifts from the uninterrupted one); fp32 models have no copy.
         self.scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
