@@ -348,8 +348,12 @@ class RolloutConfig(_Section):
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         _check(e, all(b >= 1 for b in self.fp8_block_size), "fp8_block_size", "both entries must be >= 1")
-        _check(e, self.base_port is None or 1 <= self.base_port <= 65535 - self.num_servers, "base_port",
-               "must be a valid TCP port or null (free ports)")
+        _check(
+            e,
+            self.base_port is None or 1 <= self.base_port <= 65535 - self.num_servers,
+            "base_port",
+            "must be a valid TCP port or null (free ports)",
+        )
         for i, url in enumerate(self.server_urls):
             _check(
                 e,
