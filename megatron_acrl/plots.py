@@ -59,8 +59,16 @@ def plot_runs(
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for name, xs, ys in curves:
-            if xs:
-                ax.plot(xs, ys, label=name, marker="." if len(xs) < 40 else None)
+            if not xs:
+                continue
+            line = ax.plot(xs, ys, label=name, alpha=0.35 if len(xs) >= 10 else 1.0)[0]
+            if len(xs) >= 10:  # RL curves are noisy: overlay a 5-step moving average
+                k = 5
+                avg = [
+                    sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1])
+                    for i in range(len(ys))
+                ]
+                ax.plot(xs, avg, color=line.get_color(), label=f"{name} (5-step mean)")
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
