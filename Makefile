@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo clean
+.PHONY: setup test test-slow test-all lint bench demo study clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ demo: $(STAMP)
 		-m megatron_acrl.train --config configs/demo.yaml --run-dir runs/demo
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
+
+# The mismatch study grid (configs/study/grid.yaml) -> docs/study/REPORT.md with plots.
+study: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/grid.yaml --out runs/study --report docs/study
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache
