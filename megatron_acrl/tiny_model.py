@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import ModelConfig
+from sglang_bridge.convert import hf_config
 
 # Bump when the corpus or tokenizer recipe changes: it is part of every cache key.
 TOKENIZER_RECIPE_VERSION = 1
-CHECKPOINT_RECIPE_VERSION = 1
+CHECKPOINT_RECIPE_VERSION = 2
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -142,7 +143,6 @@ def hf_config_dict(cfg: ModelConfig, *, eos_token_id: int, initializer_range: fl
     served HF model can never silently differ): qwen2 always has a QKV bias and no QK-norm, qwen3 /
     qwen3_moe always have QK-norm and no bias, llama's ``attention_bias`` would also bias o_proj.
     """
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     want = {
         "qwen2": (True, False),
         "llama": (False, False),
@@ -158,47 +158,16 @@ def hf_config_dict(cfg: ModelConfig, *, eos_token_id: int, initializer_range: fl
         raise ValueError(
             f"num_experts={cfg.num_experts} does not fit family {cfg.family} (only qwen3_moe is MoE)"
         )
-    if cfg.moe_shared_expert_ffn_hidden_size:
-        raise ValueError("Qwen3-MoE has no shared expert; set moe_shared_expert_ffn_hidden_size: 0")
-    arch = {
-        "qwen2": "Qwen2ForCausalLM",
-        "llama": "LlamaForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-    }[cfg.family]
-    d: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": head_dim,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": cfg.rotary_base,
-        "rms_norm_eps": cfg.norm_epsilon,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "initializer_range": initializer_range,
-        "eos_token_id": eos_token_id,
-        "bos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
-        "torch_dtype": "bfloat16",
-    }
-    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
-        d["attention_bias"] = False
-    if cfg.family == "qwen3_moe":
-        d.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.moe_router_topk,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=cfg.moe_aux_loss_coeff,
-        )
+    # The architecture comes from the one Megatron<->HF table module (the trainer's export uses the
+    # same function); a tiny checkpoint only adds its initialisation and special-token ids.
+    d: dict[str, Any] = hf_config(cfg)
+    d.update(
+        initializer_range=initializer_range,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        torch_dtype="bfloat16",
+    )
     return d
 
 
