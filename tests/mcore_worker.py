@@ -32,6 +32,18 @@ from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs  # noqa: E40
 SEED = 1234
 N_SEQ, SEQ_LEN, MBS = 8, 16, 2
 
+# Qwen3-MoE: 4 experts top-2, aux loss.
+_MOE: dict[str, Any] = dict(
+    family="qwen3_moe",
+    tie_embeddings=False,
+    add_qkv_bias=False,
+    qk_layernorm=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_aux_loss_coeff=0.01,
+)
+
 MODELS: dict[str, dict[str, Any]] = {
     # Qwen2-style: QKV bias, tied embeddings.
     "qwen2": dict(family="qwen2", tie_embeddings=True, add_qkv_bias=True),
@@ -40,28 +52,9 @@ MODELS: dict[str, dict[str, Any]] = {
         family="qwen3", tie_embeddings=False, add_qkv_bias=False, qk_layernorm=True, kv_channels=32
     ),
     # Qwen3-MoE: 4 experts top-2, aux loss.
-    "moe": dict(
-        family="qwen3_moe",
-        tie_embeddings=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=32,
-        moe_aux_loss_coeff=0.01,
-    ),
+    "moe": _MOE,
     # ... plus a shared expert (Megatron-only semantics: HF Qwen3-MoE has none).
-    "moe_shared": dict(
-        family="qwen3_moe",
-        tie_embeddings=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=32,
-        moe_shared_expert_ffn_hidden_size=32,
-        moe_aux_loss_coeff=0.01,
-    ),
+    "moe_shared": dict(_MOE, moe_shared_expert_ffn_hidden_size=32),
 }
 HF_PARITY = ("qwen2", "qwen3", "moe")
 
