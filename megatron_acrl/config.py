@@ -314,6 +314,18 @@ class RolloutConfig(_Section):
     (quantize -> dequantize, FP8-rounded bf16 on a bf16 server; labelled fake-quant in metrics),
     auto (real on cuda servers, fake on cpu servers, which cannot serve FP8)."""
 
+    fp8_rounding: Literal["nearest", "toward_zero"] = "nearest"
+    """Stress emulation (fake-quant only): how scaled weights are cast to e4m3; toward_zero truncates
+    the mantissa, a biased error in the spirit of the ACRL paper's "truncated FP8"."""
+
+    fp8_mantissa_bits: int = 3
+    """Stress emulation (fake-quant only): mantissa bits kept (e4m3 has 3); fewer truncates onto a
+    coarser e4mM grid toward zero."""
+
+    fp8_quantize_router: bool = False
+    """Stress emulation (fake-quant only): quantize the MoE router weights too (FP8 recipes keep them
+    in bf16), so near-tie expert choices flip between trainer and rollout."""
+
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
     """How generation pauses during a weight update: retract (requeue in-flight requests, KV recomputed
     with the new weights), abort (end them, finish_reason abort), in_place (keep their old KV cache)."""
@@ -330,6 +342,11 @@ class RolloutConfig(_Section):
 
     startup_timeout_s: float = 300.0
     """How long to wait for a server to become healthy."""
+
+    @property
+    def stress_quantization(self) -> bool:
+        """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
+        return self.fp8_rounding != "nearest" or self.fp8_mantissa_bits != 3 or self.fp8_quantize_router
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
@@ -348,6 +365,24 @@ class RolloutConfig(_Section):
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
         _check(e, all(b >= 1 for b in self.fp8_block_size), "fp8_block_size", "both entries must be >= 1")
+        _check(
+            e, 0 <= self.fp8_mantissa_bits <= 3, "fp8_mantissa_bits", "must be in [0, 3] (e4m3 has 3 bits)"
+        )
+        if self.stress_quantization:
+            # These grids exist only as FP8-rounded bf16 (no FP8 kernel serves them).
+            _check(
+                e,
+                self.quantization != "none",
+                "quantization",
+                "the fp8 stress options (fp8_rounding, fp8_mantissa_bits, fp8_quantize_router) need an "
+                "fp8_* quantization",
+            )
+            _check(
+                e,
+                self.fp8_mode != "real",
+                "fp8_mode",
+                "the fp8 stress options are fake-quant emulations; use fp8_mode auto (CPU) or fake",
+            )
         _check(
             e,
             self.base_port is None or 1 <= self.base_port <= 65535 - self.num_servers,

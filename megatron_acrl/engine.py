@@ -22,10 +22,11 @@ import torch
 
 from megatron_acrl.config import Config
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
-from sglang_bridge.fp8 import Fp8Scheme
+from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress
 from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
+_FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
 GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
 
 
@@ -84,6 +85,14 @@ class RolloutEngine:
             self.urls = [s.url for s in self.servers]
         self.scheme = fp8_scheme(cfg)
         self.fp8_mode = "real" if self.device == "cuda" else "fake"
+        # Stress emulation (truncated / coarser e4m3, quantized routers) is applied here, before the
+        # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
+        self.stress = self.scheme is not None and r.stress_quantization
+        if self.stress and self.fp8_mode == "real":
+            raise RuntimeError(
+                "rollout.fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
+                "for bf16 (CPU) servers; a cuda server gets real FP8, so drop them there"
+            )
         self.sync: DistributedWeightSynchronizer | None = None
         self._connect()
 
@@ -113,7 +122,7 @@ class RolloutEngine:
             api_key=self.api_key,
             device="cuda" if self.device == "cuda" else "cpu",
             bucket_size_mb=r.bucket_size_mb,
-            fp8=self.scheme,
+            fp8=None if self.stress else self.scheme,
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
             timeout_s=r.request_timeout_s,
         )
@@ -172,14 +181,25 @@ class RolloutEngine:
                     t = t.to(spec.dtype)
                 yield name, t
 
-        report = self.sync.sync(to_served(named_tensors), version)
+        stream = to_served(named_tensors)
+        if self.stress:
+            r = self.cfg.rollout
+            assert self.scheme is not None
+            stream = fake_quantize_named_stress(
+                stream,
+                self.scheme,
+                r.fp8_rounding,
+                r.fp8_mantissa_bits,
+                quantize_router=r.fp8_quantize_router,
+            )
+        report = self.sync.sync(stream, version)
         return {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
             "sync/tensors": float(report.num_tensors),
             "sync/buckets": float(report.num_buckets),
             # fp8 mode of the rollout copy: 0 none (BF16 rollout), 1 real FP8, 2 fake-quant on a bf16 server
-            "sync/fp8_mode": {"none": 0.0, "real": 1.0, "fake-quant": 2.0}[report.fp8],
+            "sync/fp8_mode": 2.0 if self.stress else _FP8_MODE[report.fp8],
         }
 
     # -- failures ----------------------------------------------------------------------------------

@@ -1,109 +1,260 @@
-"""The mismatch study: a grid of arms x seeds through the real loop, then a report with plots.
+"""The mismatch study: grids of arms x seeds through the real loop, then one report with plots.
 
-    python -m megatron_acrl.study configs/study/smoke.yaml --out runs/study-smoke --report docs/study
+    python -m megatron_acrl.study configs/study/dense.yaml configs/study/moe_stress.yaml \\
+        --out runs/study --report docs/study
 
 A grid file names a base config, overrides common to every run, the seeds, and the arms (each a
-list of overrides, e.g. BF16 rollout, FP8 with none / tis / seq_mis / icepop / acrl). Every run is
-``python -m megatron_acrl.train`` in its own process (torchrun when the layout has several ranks),
-so arms share nothing but the cached supervised warm-start. The report (``REPORT.md``) has the
-paper's table -- peak and mean-of-last-20% reward per arm, mean +- std over seeds, collapsed yes/no
--- and PNG curves of the per-arm mean over seeds, drawn from the runs' ``metrics.jsonl``.
+list of overrides: BF16 rollout, FP8 with none / tis / seq_mis / icepop / acrl / acrl extensions,
+optionally under the stress quantization). Every run is ``python -m megatron_acrl.train`` in its
+own process (torchrun when the layout has several ranks), so arms share nothing but the cached
+supervised warm-start (one per seed: every arm of a seed starts RL from the same policy) and, with
+``shared_server: true`` (the default), one SGLang server per grid: each run pushes its own initial
+weights before its first rollout, so a server that outlives the previous run serves exactly what a
+fresh one would, and the grid saves a server start-up per run.
+
+Run directories are ``<out>/<arm>-s<seed>``; arm names are unique across grids, and a finished run
+whose overrides are unchanged is reused (two grids may share their BF16 baseline arm). The report
+(``REPORT.md``) has, per grid, the paper's table -- peak and mean-of-last-20% reward per arm, mean
++- std over seeds, collapsed yes/no --, the goal verdict stated with its numbers, and PNG curves of
+the per-arm mean over seeds drawn with matplotlib from the runs' ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from megatron_acrl.config import ConfigError, load_config
+from megatron_acrl.config import Config, ConfigError, load_config
 from megatron_acrl.logging import read_jsonl_metrics
-from megatron_acrl.plots import plot_runs
 
 COLLAPSE_FRACTION = 0.5
 """An arm-seed has collapsed when its mean reward over the last 20% of steps falls below this fraction
 of its own peak (after a 5-step moving average)."""
 
+GRID_KEYS = ("base", "common", "seeds", "arms", "ranks", "title", "notes", "stress", "shared_server")
+
+PANELS = (
+    ("reward/mean", "reward (train, sampled)"),
+    ("mismatch/k3_kl", "k3 KL(mu || pi_old)"),
+    ("mismatch/chi2_token", "chi2 token"),
+    ("mismatch/chi2_seq", "chi2 sequence"),
+    ("acrl/alpha_mean", "ACRL alpha (mean)"),
+    ("acrl/y_over_x", "ACRL Y / X"),
+    ("correction/seq_masked_frac", "masked sequence fraction (seq_mis)"),
+    ("correction/mask_frac_high", "IcePop masked token fraction (high)"),
+    ("correction/mask_frac_low", "IcePop masked token fraction (low)"),
+    ("correction/clip_frac_high", "TIS clipped token fraction"),
+    ("loss/entropy", "entropy"),
+)
+"""Report figures: metric key and title; a figure is drawn when any arm logged the key."""
+
 
 @dataclass(frozen=True)
 class Grid:
+    """One grid file: a base config, common overrides, seeds and named arms."""
+
     base: str
     common: tuple[str, ...]
     seeds: tuple[int, ...]
     arms: dict[str, tuple[str, ...]]
     ranks: int = 1
+    name: str = "grid"
+    """File stem; prefixes the grid's figures."""
+    title: str = ""
+    notes: str = ""
+    """Free text for the report (what the setting is)."""
+    stress: bool = False
+    """A stress setting: the verdict also compares ACRL with TIS and MIS."""
+    shared_server: bool = True
+    """One SGLang server for the whole grid (see module doc)."""
+    configs: dict[str, Config] = field(default_factory=dict, compare=False, repr=False)
+    """Each arm's validated config (seed aside)."""
 
 
 def load_grid(path: str | Path) -> Grid:
     """Read and validate a grid file: every arm's config must load before anything runs."""
     data = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = set(data) - {"base", "common", "seeds", "arms", "ranks"}
+    unknown = set(data) - set(GRID_KEYS)
     if unknown:
-        raise ConfigError(
-            [(f"{path}", f"unknown grid keys {sorted(unknown)}; use base, common, seeds, arms, ranks")]
-        )
+        raise ConfigError([(f"{path}", f"unknown grid keys {sorted(unknown)}; use {', '.join(GRID_KEYS)}")])
     if not data.get("arms"):
         raise ConfigError([(f"{path}", "a grid needs arms: {name: [overrides...]}")])
-    grid = Grid(
-        base=str(data["base"]),
-        common=tuple(data.get("common", [])),
-        seeds=tuple(int(s) for s in data.get("seeds", [1])),
-        arms={str(k): tuple(v or []) for k, v in data["arms"].items()},
-        ranks=int(data.get("ranks", 1)),
-    )
-    for arm, overrides in grid.arms.items():
+    if "base" not in data:
+        raise ConfigError([(f"{path}", "a grid needs base: configs/<file>.yaml")])
+    seeds = tuple(int(s) for s in data.get("seeds", [1]))
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError([(f"{path}.seeds", f"need distinct seeds, got {list(seeds)}")])
+    configs: dict[str, Config] = {}
+    arms = {str(k): tuple(str(o) for o in (v or [])) for k, v in data["arms"].items()}
+    for arm, overrides in arms.items():
         try:
-            load_config(grid.base, [*grid.common, *overrides])
+            configs[arm] = load_config(str(data["base"]), [*data.get("common", []), *overrides])
         except ConfigError as err:
             raise ConfigError(
                 [(f"arms.{arm}.{p}" if p else f"arms.{arm}", m) for p, m in err.errors]
             ) from None
-    return grid
+    return Grid(
+        base=str(data["base"]),
+        common=tuple(str(o) for o in data.get("common", [])),
+        seeds=seeds,
+        arms=arms,
+        ranks=int(data.get("ranks", 1)),
+        name=Path(path).stem,
+        title=str(data.get("title", Path(path).stem)),
+        notes=str(data.get("notes", "")).strip(),
+        stress=bool(data.get("stress", False)),
+        shared_server=bool(data.get("shared_server", True)),
+        configs=configs,
+    )
 
 
-def run_arm(grid: Grid, arm: str, seed: int, out: Path) -> Path:
-    """One training run; returns its run directory (skipped when it already finished)."""
+# -- running -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def shared_server(grid: Grid, log_dir: Path) -> Iterator[str | None]:
+    """One SGLang CPU server for the grid (None when the grid starts a server per run)."""
+    cfg = next(iter(grid.configs.values()))
+    if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
+        yield None
+        return
+    from megatron_acrl.engine import resolve_device
+    from sglang_bridge.server import ServerSpec, SGLangServer
+
+    if cfg.model.hf_path:
+        model_dir = cfg.model.hf_path
+    else:
+        from megatron_acrl.tiny_model import build_checkpoint
+
+        # Any checkpoint of the architecture will do: every run overwrites all weights first.
+        model_dir = str(build_checkpoint(cfg.model, seed=grid.seeds[0]))
+    device = resolve_device(cfg)
+    if device == "cuda" and any(c.rollout.quantization != "none" for c in grid.configs.values()):
+        # A real-FP8 server is started with --quantization fp8 and cannot also serve the BF16 arm.
+        yield None
+        return
+    spec = ServerSpec(model_path=model_dir, device=device, random_seed=grid.seeds[0])  # type: ignore[arg-type]
+    server = SGLangServer(
+        spec, log_dir / f"sglang_{grid.name}.log", startup_timeout_s=cfg.rollout.startup_timeout_s
+    )
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def run_arm(grid: Grid, arm: str, seed: int, out: Path, server_url: str | None = None) -> Path:
+    """One training run; returns its run directory (reused when it finished with the same overrides)."""
     run_dir = out / f"{arm}-s{seed}"
     done = run_dir / "done"
-    if done.exists():
-        return run_dir
     overrides = [*grid.common, *grid.arms[arm], f"training.seed={seed}", "training.checkpoint_dir=null"]
+    key = {"base": grid.base, "overrides": overrides}
+    if done.exists():
+        try:
+            if {k: v for k, v in json.loads(done.read_text()).items() if k in key} == key:
+                return run_dir
+        except ValueError:
+            pass  # an old marker: rerun
+    cmd_overrides = [*overrides]
+    if server_url:
+        cmd_overrides.append(f'rollout.server_urls=["{server_url}"]')
     if grid.ranks > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={grid.ranks}",
-        ]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher.append(f"--nproc-per-node={grid.ranks}")
     else:
         launcher = [sys.executable]
-    cmd = [
-        *launcher,
-        "-m",
-        "megatron_acrl.train",
-        "--config",
-        grid.base,
-        "--run-dir",
-        str(run_dir),
-        *overrides,
-    ]
+    cmd = [*launcher, "-m", "megatron_acrl.train", "--config", grid.base, "--run-dir", str(run_dir)]
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists():  # a stale or changed run: start clean so metrics.jsonl is this run's alone
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    t0 = time.monotonic()
     with open(run_dir / "train.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        rc = subprocess.run([*cmd, *cmd_overrides], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         raise RuntimeError(f"study run {arm} seed {seed} failed (rc={rc}); see {run_dir / 'train.log'}")
-    done.write_text("ok\n")
+    done.write_text(json.dumps({**key, "wall_s": time.monotonic() - t0}) + "\n")
     return run_dir
+
+
+def run_grid(grid: Grid, out: Path) -> float:
+    """Every arm x seed of ``grid`` (seed-major, so a partial grid already has whole seeds);
+    returns the wall seconds spent. A failed run gets one retry on a fresh server."""
+    t0 = time.monotonic()
+    todo = [(arm, seed) for seed in grid.seeds for arm in grid.arms]
+    out.mkdir(parents=True, exist_ok=True)
+    retried: set[tuple[str, int]] = set()
+    while todo:
+        with shared_server(grid, out) as url:
+            while todo:
+                arm, seed = todo[0]
+                t1 = time.monotonic()
+                print(f"study[{grid.name}]: {arm} seed {seed}", flush=True)
+                try:
+                    run_arm(grid, arm, seed, out, url)
+                except RuntimeError as err:
+                    if (arm, seed) in retried:
+                        raise
+                    print(f"study[{grid.name}]: {err}; retrying on a fresh server", flush=True)
+                    retried.add((arm, seed))
+                    break  # leave the with-block: the server is restarted, the run retried
+                todo.pop(0)
+                print(
+                    f"study[{grid.name}]: {arm} seed {seed} done in {time.monotonic() - t1:.0f}s", flush=True
+                )
+    return time.monotonic() - t0
+
+
+def grid_groups(grids: Sequence[Grid]) -> list[list[Grid]]:
+    """Grids that share an arm name (the shared BF16 baseline run) must run one after the other:
+    connected components of the shares-an-arm relation, in file order."""
+    groups: list[list[Grid]] = []
+    for g in grids:
+        joined = [grp for grp in groups if any(set(g.arms) & set(h.arms) for h in grp)]
+        merged = [h for grp in joined for h in grp] + [g]
+        groups = [grp for grp in groups if grp not in joined] + [merged]
+    return groups
+
+
+def run_grids(grids: Sequence[Grid], out: Path, jobs: int = 1) -> None:
+    """Run every grid; with ``jobs > 1`` independent groups of grids run concurrently (each run is a
+    subprocess, so threads only wait). On a small CPU two jobs overlap one run's rollout server with
+    another's trainer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(group: list[Grid]) -> None:
+        for g in group:
+            spent = run_grid(g, out)
+            print(f"study[{g.name}]: grid finished in {spent / 60:.1f} min", flush=True)
+
+    groups = grid_groups(grids)
+    if jobs <= 1 or len(groups) == 1:
+        for grp in groups:
+            work(grp)
+        return
+    # Largest groups first, each worker taking the next group when free.
+    groups.sort(key=lambda grp: -sum(len(g.arms) * len(g.seeds) for g in grp))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for f in [pool.submit(work, grp) for grp in groups]:
+            f.result()
+
+
+# -- summaries -----------------------------------------------------------------------------------
 
 
 def _smooth(xs: list[float], k: int = 5) -> list[float]:
@@ -111,77 +262,256 @@ def _smooth(xs: list[float], k: int = 5) -> list[float]:
 
 
 def summarize(rows: list[dict], key: str = "reward/mean") -> dict[str, float]:
-    """Peak, mean of the last 20% of steps, and whether the run collapsed."""
+    """Peak (raw and of the 5-step moving average), mean of the last 20% of steps, collapsed or not."""
     ys = [float(r[key]) for r in rows if isinstance(r.get(key), int | float)]
     if not ys:
-        return {"peak": math.nan, "last20": math.nan, "collapsed": 0.0}
+        return {"peak": math.nan, "peak_smooth": math.nan, "last20": math.nan, "collapsed": 0.0}
     tail = ys[-max(1, len(ys) // 5) :]
     peak = max(_smooth(ys))
     last = statistics.mean(tail)
-    return {"peak": max(ys), "last20": last, "collapsed": float(peak > 0 and last < COLLAPSE_FRACTION * peak)}
+    return {
+        "peak": max(ys),
+        "peak_smooth": peak,
+        "last20": last,
+        "collapsed": float(peak > 0 and last < COLLAPSE_FRACTION * peak),
+    }
 
 
 def _mean_rows(runs: list[list[dict]]) -> list[dict]:
-    """Per-step mean over seeds of every numeric key (steps all seeds reached)."""
+    """Per-step mean and std over seeds of every numeric key (steps all seeds reached)."""
     steps = min(len(r) for r in runs)
     out = []
     for i in range(steps):
         keys = set.intersection(*(set(r[i]) for r in runs))
-        row = {"step": runs[0][i]["step"]}
+        row: dict = {"step": runs[0][i]["step"]}
         for k in keys:
             vals = [r[i][k] for r in runs]
             if all(isinstance(v, int | float) and math.isfinite(float(v)) for v in vals):
                 row[k] = statistics.mean(float(v) for v in vals)
+                row[k + ":std"] = statistics.stdev(float(v) for v in vals) if len(vals) > 1 else 0.0
         out.append(row)
     return out
 
 
-def _fmt(xs: list[float]) -> str:
+def _ms(xs: Sequence[float]) -> tuple[float, float]:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return math.nan, math.nan
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _fmt(xs: Sequence[float], digits: int = 3) -> str:
+    m, s = _ms(xs)
+    if math.isnan(m):
+        return "-"
     if len(xs) == 1:
-        return f"{xs[0]:.3f}"
-    return f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs):.3f}"
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} +- {s:.{digits}f}"
 
 
-def write_report(grid: Grid, out: Path, report_dir: Path) -> Path:
+def _fmt_sci(xs: Sequence[float]) -> str:
+    m, s = _ms(xs)
+    return "-" if math.isnan(m) else f"{m:.2e} +- {s:.1e}"
+
+
+@dataclass
+class ArmResult:
+    """One arm's per-seed summaries."""
+
+    arm: str
+    method: str
+    quantization: str
+    peak: list[float]
+    last20: list[float]
+    collapsed: list[bool]
+    eval_acc: list[float]
+    k3: list[float]
+    rows: list[list[dict]]
+
+    @property
+    def last20_ms(self) -> tuple[float, float]:
+        return _ms(self.last20)
+
+
+def collect(grid: Grid, out: Path) -> list[ArmResult]:
+    """Summaries of every arm of a finished grid."""
+    results = []
+    for arm, cfg in grid.configs.items():
+        runs = [read_jsonl_metrics(out / f"{arm}-s{s}" / "metrics.jsonl") for s in grid.seeds]
+        sums = [summarize(r) for r in runs]
+        results.append(
+            ArmResult(
+                arm=arm,
+                method=cfg.correction.method,
+                quantization=cfg.rollout.quantization,
+                peak=[s["peak_smooth"] for s in sums],
+                last20=[s["last20"] for s in sums],
+                collapsed=[bool(s["collapsed"]) for s in sums],
+                eval_acc=[
+                    next((float(x["eval/accuracy"]) for x in reversed(r) if "eval/accuracy" in x), math.nan)
+                    for r in runs
+                ],
+                k3=[summarize(r, "mismatch/k3_kl")["last20"] for r in runs],
+                rows=runs,
+            )
+        )
+    return results
+
+
+def _cmp(a: ArmResult, b: ArmResult, strict: bool) -> str:
+    """``a`` vs ``b`` on mean-of-last-20% reward, with the numbers and the per-seed wins."""
+    (ma, sa), (mb, sb) = a.last20_ms, b.last20_ms
+    ok = ma > mb if strict else ma >= mb
+    wins = sum(x > y if strict else x >= y for x, y in zip(a.last20, b.last20, strict=True))
+    sign = ">" if strict else ">="
+    return (
+        f"`{a.arm}` {ma:.3f} +- {sa:.3f} vs `{b.arm}` {mb:.3f} +- {sb:.3f}: "
+        f"**{'yes' if ok else 'no'}** ({sign} holds on the mean; difference {ma - mb:+.3f}; "
+        f"{wins}/{len(a.last20)} seeds, seed i vs seed i)"
+    )
+
+
+def verdict(grid: Grid, results: list[ArmResult]) -> list[str]:
+    """The goal, stated per grid: ACRL >= BF16 rollout; in a stress grid also ACRL > TIS and > MIS."""
+    by = {r.arm: r for r in results}
+    base = [r for r in results if r.quantization == "none"]
+    acrl = [r for r in results if r.method == "acrl" and r.quantization != "none"]
+    lines = []
+    if not base or not acrl:
+        return ["(no BF16-rollout baseline or no ACRL arm in this grid: no verdict)"]
+    for a in acrl:
+        lines.append(f"- ACRL >= BF16 rollout: {_cmp(a, base[0], strict=False)}")
+        if grid.stress:
+            for method, label in (("tis", "TIS"), ("seq_mis", "MIS")):
+                for other in (r for r in results if r.method == method):
+                    lines.append(f"- ACRL > {label}: {_cmp(a, other, strict=True)}")
+    none = [r for r in results if r.method == "none" and r.quantization != "none"]
+    for n in none:
+        (mn, sn), (mb, sb) = n.last20_ms, base[0].last20_ms
+        collapsed = sum(n.collapsed)
+        lines.append(
+            f"- Uncorrected FP8 (`{n.arm}`) vs BF16 rollout: {mn:.3f} +- {sn:.3f} vs {mb:.3f} +- {sb:.3f} "
+            f"(difference {mn - mb:+.3f}); collapsed in {collapsed}/{len(n.collapsed)} seeds."
+        )
+    _ = by
+    return lines
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Path]:
+    """One PNG per panel: the per-arm mean over seeds (5-step moving average), +- one std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    means = {r.arm: _mean_rows(r.rows) for r in results}
+    for key, title in PANELS:
+        if not any(key in row for rows in means.values() for row in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for arm, rows in means.items():
+            pts = [(int(r["step"]), r[key], r.get(key + ":std", 0.0)) for r in rows if key in r]
+            if not pts:
+                continue
+            xs = [p[0] for p in pts]
+            ys, sd = _smooth([p[1] for p in pts]), _smooth([p[2] for p in pts])
+            (line,) = ax.plot(xs, ys, label=arm, lw=1.4)
+            if key == "reward/mean":  # the band only where it is read: the reward curves
+                lo = [y - s for y, s in zip(ys, sd, strict=True)]
+                hi = [y + s for y, s in zip(ys, sd, strict=True)]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
+        if key.startswith(("mismatch/k3", "mismatch/chi2")):
+            ax.set_yscale("symlog", linthresh=1e-5)
+        ax.set_title(f"{grid.title}: {title}", fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _steps(results: list[ArmResult]) -> int:
+    return min(len(r) for a in results for r in a.rows) if results else 0
+
+
+def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None) -> Path:
     """REPORT.md and PNGs in ``report_dir`` from the finished runs under ``out``."""
     report_dir.mkdir(parents=True, exist_ok=True)
+    run_walls = []
+    for g in grids:
+        for arm in g.arms:
+            for s in g.seeds:
+                with contextlib.suppress(OSError, ValueError):
+                    run_walls.append(float(json.loads((out / f"{arm}-s{s}" / "done").read_text())["wall_s"]))
     lines = [
         "# Mismatch study report",
         "",
-        f"Generated by `python -m megatron_acrl.study` from {len(grid.arms)} arms x {len(grid.seeds)} seeds "
-        f"(base `{grid.base}`, common overrides `{' '.join(grid.common) or '-'}`).",
+        "Generated by `python -m megatron_acrl.study "
+        + " ".join(f"configs/study/{g.name}.yaml" for g in grids)
+        + "` from the runs' `metrics.jsonl` (nothing here is edited by hand). Every run is the real loop: "
+        "Megatron-Core trainer (CPU, gloo), SGLang CPU rollout server, the weight-sync bridge. FP8 on a "
+        "CPU server is *fake-quant*: the trainer quantizes -> dequantizes and sends bf16 weights, so the "
+        "rollout sees FP8 weight rounding, not FP8 activations or KV cache.",
         "",
-        "| arm | peak reward | mean reward, last 20% | eval acc, last | k3 KL, last 20% | collapsed |",
-        "|---|---|---|---|---|---|",
     ]
-    mean_dirs = []
-    for arm in grid.arms:
-        runs = [read_jsonl_metrics(out / f"{arm}-s{s}" / "metrics.jsonl") for s in grid.seeds]
-        sums = [summarize(r) for r in runs]
-        k3 = [summarize(r, "mismatch/k3_kl")["last20"] for r in runs]
-        evals = [
-            next((float(x["eval/accuracy"]) for x in reversed(r) if "eval/accuracy" in x), math.nan)
-            for r in runs
-        ]
-        collapsed = sum(int(s["collapsed"]) for s in sums)
-        peak, last = _fmt([s["peak"] for s in sums]), _fmt([s["last20"] for s in sums])
+    if wall_s is not None:
+        lines.append(f"Wall time of this invocation: {wall_s / 60:.1f} min.")
+    if run_walls:
         lines.append(
-            f"| {arm} | {peak} | {last} | {_fmt(evals)} | {_fmt(k3)} "
-            f"| {'yes' if collapsed else 'no'} ({collapsed}/{len(sums)}) |"
+            f"Sum of the {len(run_walls)} runs' own wall times: {sum(run_walls) / 60:.1f} min "
+            f"(median {statistics.median(run_walls):.0f} s per run)."
         )
-        d = out / "_mean" / arm
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _mean_rows(runs)) + "\n")
-        mean_dirs.append(d)
-    files = plot_runs(mean_dirs, report_dir, labels=list(grid.arms))
-    lines += ["", "Curves are the per-arm mean over seeds (light) with a 5-step moving average (dark).", ""]
-    lines += [f"![{f.stem}]({f.name})" for f in files]
     lines += [
         "",
-        f"A run counts as collapsed when its last-20% mean reward is below {COLLAPSE_FRACTION:.0%} of its "
-        "smoothed peak.",
+        "Columns: reward is the sampled training reward (fraction of correct completions in the step's "
+        "rollout batch, temperature 1). *peak* is the maximum of its 5-step moving average; *last 20%* the "
+        "mean over the last 20% of steps; both mean +- std over seeds. *greedy acc* is the final greedy "
+        f"accuracy on the held-out split. *collapsed*: last-20% mean below {COLLAPSE_FRACTION:.0%} of the "
+        "run's smoothed peak (runs collapsed / seeds).",
         "",
     ]
+    for g in grids:
+        results = collect(g, out)
+        cfg = next(iter(g.configs.values()))
+        m = cfg.model
+        moe = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
+        lines += [f"## {g.title}", ""]
+        if g.notes:
+            lines += [g.notes, ""]
+        lines += [
+            f"Grid `configs/study/{g.name}.yaml`: base `{g.base}`, seeds {list(g.seeds)}, "
+            f"{_steps(results)} RL steps, model `{m.family}` ({m.num_layers} layers, hidden "
+            f"{m.hidden_size}{moe}"
+            + f"), {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} samples per "
+            f"step, {cfg.algorithm.name} ({cfg.algorithm.ppo_epochs} epoch(s) x "
+            f"{cfg.algorithm.num_minibatches} minibatch(es)), lr {cfg.training.lr:g}, task "
+            f"{cfg.task.name} ({cfg.task.num_digits} digit(s)).",
+            "",
+            f"Common overrides: `{' '.join(g.common) or '-'}`",
+            "",
+            "| arm | overrides | peak reward | reward, last 20% | greedy acc | k3 KL, last 20% | collapsed |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            n = sum(r.collapsed)
+            ov = " ".join(g.arms[r.arm]) or "-"
+            lines.append(
+                f"| {r.arm} | `{ov}` | {_fmt(r.peak)} | {_fmt(r.last20)} | {_fmt(r.eval_acc, 2)} | "
+                f"{_fmt_sci(r.k3)} | {'yes' if n else 'no'} ({n}/{len(r.collapsed)}) |"
+            )
+        lines += ["", "**Goal verdict** (mean-of-last-20% reward, mean +- std over seeds):", ""]
+        lines += verdict(g, results)
+        lines += ["", "Curves: per-arm mean over seeds, 5-step moving average (reward: +- 1 std band).", ""]
+        lines += [f"![{f.stem}]({f.name})" for f in plot_grid(g, results, report_dir)]
+        lines.append("")
     path = report_dir / "REPORT.md"
     path.write_text("\n".join(lines))
     return path
@@ -189,22 +519,37 @@ def write_report(grid: Grid, out: Path, report_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_acrl.study", description=__doc__.split("\n")[0])
-    ap.add_argument("grid", help="grid YAML in configs/study/")
+    ap.add_argument("grids", nargs="+", help="grid YAML files in configs/study/ (run in turn)")
     ap.add_argument("--out", default="runs/study", help="where the runs go (finished runs are reused)")
     ap.add_argument("--report", default="docs/study", help="where REPORT.md and the plots go")
+    ap.add_argument("--report-only", action="store_true", help="write the report from finished runs")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="grids run concurrently, each with its own server (grids sharing an arm stay together)",
+    )
     args = ap.parse_args(argv)
     try:
-        grid = load_grid(args.grid)
+        grids = [load_grid(p) for p in args.grids]
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    names = [a for g in grids for a in g.arms]
+    clash = {a for a in names if names.count(a) > 1}
+    for a in clash:  # a shared arm (e.g. the BF16 baseline) must be the same run in every grid
+        specs = {(g.base, g.common, g.arms[a]) for g in grids if a in g.arms}
+        if len(specs) > 1:
+            print(f"arm {a!r} appears in several grids with different settings; rename one", file=sys.stderr)
+            return 2
     out = Path(args.out)
-    for arm in grid.arms:
-        for seed in grid.seeds:
-            print(f"study: {arm} seed {seed}", flush=True)
-            run_arm(grid, arm, seed, out)
-    report = write_report(grid, out, Path(args.report))
+    t0 = time.monotonic()
+    if not args.report_only:
+        run_grids(grids, out, args.jobs)
+    wall = time.monotonic() - t0
+    report = write_report(grids, out, Path(args.report), None if args.report_only else wall)
     print(f"study report: {report}")
+    print(f"study: total wall time {wall / 60:.1f} min", flush=True)
     return 0
 
 

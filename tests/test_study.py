@@ -1,4 +1,5 @@
-"""The study runner: a smoke grid through the real loop produces the report and its plots."""
+"""The study runner: grids validate, summaries and verdicts say what the numbers say, and a smoke grid
+through the real loop (shared SGLang server, stress quantization) produces the report and its plots."""
 
 from __future__ import annotations
 
@@ -8,15 +9,34 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.config import ConfigError
-from megatron_acrl.study import load_grid, main, summarize
+from megatron_acrl.study import ArmResult, load_grid, main, summarize, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_grids_validate():
+    arms: dict[str, tuple] = {}
     for path in sorted((ROOT / "configs" / "study").glob("*.yaml")):
         grid = load_grid(path)
         assert grid.arms and grid.seeds
+        for arm, overrides in grid.arms.items():
+            # an arm name shared by two grids must be the same run (the shared BF16 baseline)
+            spec = (grid.base, grid.common, overrides)
+            assert arms.setdefault(arm, spec) == spec, f"{arm} differs between grids"
+
+
+def test_full_grids_have_the_issue_arms():
+    for name in ("dense", "dense_stress", "moe_stress"):
+        grid = load_grid(ROOT / "configs" / "study" / f"{name}.yaml")
+        methods = sorted(
+            (c.rollout.quantization == "none", c.correction.method) for c in grid.configs.values()
+        )
+        assert (True, "none") in methods
+        for m in ("none", "tis", "seq_mis", "icepop", "acrl"):
+            assert (False, m) in methods, (name, m)
+        assert len(grid.seeds) >= 3
+        stressed = [c for c in grid.configs.values() if c.rollout.quantization != "none"]
+        assert all(c.rollout.stress_quantization for c in stressed) == grid.stress
 
 
 def test_bad_arm_is_named(tmp_path):
@@ -26,11 +46,44 @@ def test_bad_arm_is_named(tmp_path):
         load_grid(bad)
 
 
+def test_stress_needs_fp8(tmp_path):
+    bad = tmp_path / "g.yaml"
+    bad.write_text(
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\n"
+        "arms:\n  x: [rollout.quantization=none, rollout.fp8_rounding=toward_zero]\n"
+    )
+    with pytest.raises(ConfigError, match=r"arms\.x\.rollout\.quantization.*stress"):
+        load_grid(bad)
+
+
 def test_summarize_flags_collapse():
     rise = [{"reward/mean": x / 10} for x in range(10)]
     fall = [{"reward/mean": x} for x in (0.5, 0.6, 0.7, 0.7, 0.7, 0.6, 0.3, 0.1, 0.0, 0.0)]
     assert summarize(rise)["collapsed"] == 0.0 and summarize(rise)["peak"] == pytest.approx(0.9)
     assert summarize(fall)["collapsed"] == 1.0
+
+
+def _arm(name: str, method: str, quant: str, last20: list[float]) -> ArmResult:
+    return ArmResult(name, method, quant, last20, last20, [False] * len(last20), [], [], [])
+
+
+def test_verdict_states_the_goal_with_numbers(tmp_path):
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\nstress: true\n"
+        "arms:\n  b: [rollout.quantization=none, correction.method=none]\n  a: [correction.method=acrl]\n"
+    )
+    grid = load_grid(grid_file)
+    results = [
+        _arm("b", "none", "none", [0.5, 0.6, 0.7]),
+        _arm("a", "acrl", "fp8_block", [0.6, 0.6, 0.6]),
+        _arm("t", "tis", "fp8_block", [0.6, 0.7, 0.8]),
+        _arm("m", "seq_mis", "fp8_block", [0.1, 0.2, 0.3]),
+    ]
+    text = "\n".join(verdict(grid, results))
+    assert "ACRL >= BF16 rollout: `a` 0.600 +- 0.000 vs `b` 0.600 +- 0.100: **yes**" in text
+    assert "ACRL > TIS: `a` 0.600 +- 0.000 vs `t` 0.700 +- 0.100: **no**" in text
+    assert "ACRL > MIS: `a` 0.600 +- 0.000 vs `m` 0.200 +- 0.100: **yes**" in text
 
 
 def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
@@ -47,6 +100,8 @@ def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     )
     assert rc == 0
     report = (tmp_path / "report" / "REPORT.md").read_text()
-    assert "| fp8_none |" in report and "| fp8_acrl |" in report
-    assert (tmp_path / "report" / "reward_mean.png").stat().st_size > 1000
-    assert "![reward_mean](reward_mean.png)" in report
+    assert "| smoke_bf16 |" in report and "| smoke_stress_acrl |" in report
+    assert "ACRL >= BF16 rollout" in report and "Wall time" in report
+    assert (tmp_path / "report" / "smoke_reward_mean.png").stat().st_size > 1000
+    assert "![smoke_reward_mean](smoke_reward_mean.png)" in report
+    assert (tmp_path / "report" / "smoke_mismatch_k3_kl.png").exists()
