@@ -42,11 +42,12 @@ demo: $(STAMP)
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
 
-# The mismatch study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run in turn
-# (each with one shared SGLang server) -> docs/study/REPORT.md with plots; prints the total wall time.
+# The mismatch study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run
+# concurrently (--jobs 3, each with one shared SGLang server) -> docs/study/REPORT.md with plots;
+# prints the total wall time.
 study: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/dense.yaml configs/study/dense_stress.yaml \
-		configs/study/moe_stress.yaml --out runs/study --report docs/study
+		configs/study/moe_stress.yaml --jobs 3 --out runs/study --report docs/study
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

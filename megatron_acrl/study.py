@@ -337,7 +337,11 @@ def collect(grid: Grid, out: Path) -> list[ArmResult]:
     """Summaries of every arm of a finished grid."""
     results = []
     for arm, cfg in grid.configs.items():
-        runs = [read_jsonl_metrics(out / f"{arm}-s{s}" / "metrics.jsonl") for s in grid.seeds]
+        # Only finished runs count (a grid cut short reports the seeds it has; the table says how many).
+        seeds = [s for s in grid.seeds if (out / f"{arm}-s{s}" / "done").exists()]
+        runs = [read_jsonl_metrics(out / f"{arm}-s{s}" / "metrics.jsonl") for s in seeds]
+        if not runs:
+            continue
         sums = [summarize(r) for r in runs]
         results.append(
             ArmResult(
@@ -362,12 +366,13 @@ def _cmp(a: ArmResult, b: ArmResult, strict: bool) -> str:
     """``a`` vs ``b`` on mean-of-last-20% reward, with the numbers and the per-seed wins."""
     (ma, sa), (mb, sb) = a.last20_ms, b.last20_ms
     ok = ma > mb if strict else ma >= mb
-    wins = sum(x > y if strict else x >= y for x, y in zip(a.last20, b.last20, strict=True))
+    pairs = list(zip(a.last20, b.last20, strict=False))
+    wins = sum(x > y if strict else x >= y for x, y in pairs)
     sign = ">" if strict else ">="
     return (
         f"`{a.arm}` {ma:.3f} +- {sa:.3f} vs `{b.arm}` {mb:.3f} +- {sb:.3f}: "
         f"**{'yes' if ok else 'no'}** ({sign} holds on the mean; difference {ma - mb:+.3f}; "
-        f"{wins}/{len(a.last20)} seeds, seed i vs seed i)"
+        f"{wins}/{len(pairs)} seeds, seed i vs seed i)"
     )
 
 
@@ -439,7 +444,7 @@ def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Pa
 
 
 def _steps(results: list[ArmResult]) -> int:
-    return min(len(r) for a in results for r in a.rows) if results else 0
+    return max(len(r) for a in results for r in a.rows) if results else 0
 
 
 def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None) -> Path:
@@ -497,14 +502,16 @@ def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: flo
             "",
             f"Common overrides: `{' '.join(g.common) or '-'}`",
             "",
-            "| arm | overrides | peak reward | reward, last 20% | greedy acc | k3 KL, last 20% | collapsed |",
-            "|---|---|---|---|---|---|---|",
+            "| arm | overrides | seeds | peak reward | reward, last 20% | greedy acc | k3 KL, last 20% "
+            "| collapsed |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             n = sum(r.collapsed)
             ov = " ".join(g.arms[r.arm]) or "-"
             lines.append(
-                f"| {r.arm} | `{ov}` | {_fmt(r.peak)} | {_fmt(r.last20)} | {_fmt(r.eval_acc, 2)} | "
+                f"| {r.arm} | `{ov}` | {len(r.last20)} | {_fmt(r.peak)} | {_fmt(r.last20)} | "
+                f"{_fmt(r.eval_acc, 2)} | "
                 f"{_fmt_sci(r.k3)} | {'yes' if n else 'no'} ({n}/{len(r.collapsed)}) |"
             )
         lines += ["", "**Goal verdict** (mean-of-last-20% reward, mean +- std over seeds):", ""]
