@@ -123,6 +123,17 @@ def load_grid(path: str | Path) -> Grid:
 # -- running -------------------------------------------------------------------------------------
 
 
+def server_model_dir(grid: Grid) -> str:
+    """The directory the grid's shared server loads: any checkpoint of the architecture will do,
+    since every run overwrites all weights before its first rollout."""
+    cfg = next(iter(grid.configs.values()))
+    if cfg.model.hf_path:
+        return cfg.model.hf_path
+    from megatron_acrl.tiny_model import build_checkpoint
+
+    return str(build_checkpoint(cfg.model, seed=grid.seeds[0]))
+
+
 @contextlib.contextmanager
 def shared_server(grid: Grid, log_dir: Path) -> Iterator[str | None]:
     """One SGLang CPU server for the grid (None when the grid starts a server per run)."""
@@ -133,13 +144,7 @@ def shared_server(grid: Grid, log_dir: Path) -> Iterator[str | None]:
     from megatron_acrl.engine import resolve_device
     from sglang_bridge.server import ServerSpec, SGLangServer
 
-    if cfg.model.hf_path:
-        model_dir = cfg.model.hf_path
-    else:
-        from megatron_acrl.tiny_model import build_checkpoint
-
-        # Any checkpoint of the architecture will do: every run overwrites all weights first.
-        model_dir = str(build_checkpoint(cfg.model, seed=grid.seeds[0]))
+    model_dir = server_model_dir(grid)
     device = resolve_device(cfg)
     if device == "cuda" and any(c.rollout.quantization != "none" for c in grid.configs.values()):
         # A real-FP8 server is started with --quantization fp8 and cannot also serve the BF16 arm.
@@ -247,6 +252,14 @@ def run_grids(grids: Sequence[Grid], out: Path, jobs: int = 1) -> None:
         for grp in groups:
             work(grp)
         return
+    # Heavy imports (transformers' lazy modules deadlocked when first imported from several threads
+    # at once) and the servers' checkpoints happen here, in the main thread, before the workers.
+    import megatron_acrl.engine  # noqa: F401
+    import sglang_bridge.server  # noqa: F401
+
+    for g in grids:
+        if g.shared_server:
+            server_model_dir(g)
     # Largest groups first, each worker taking the next group when free.
     groups.sort(key=lambda grp: -sum(len(g.arms) * len(g.seeds) for g in grp))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
