@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.config import ConfigError
-from megatron_acrl.study import ArmResult, load_grid, main, summarize, verdict
+from megatron_acrl.study import ArmResult, grid_groups, load_grid, main, summarize, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +105,14 @@ def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     assert (tmp_path / "report" / "smoke_reward_mean.png").stat().st_size > 1000
     assert "![smoke_reward_mean](smoke_reward_mean.png)" in report
     assert (tmp_path / "report" / "smoke_mismatch_k3_kl.png").exists()
+
+
+def test_grids_sharing_an_arm_run_together(tmp_path):
+    base = ROOT / "configs/tiny_dense.yaml"
+    files = {}
+    for name, arms in {"a": ["x", "y"], "b": ["z"], "c": ["y", "w"]}.items():
+        body = "".join(f"  {arm}: [correction.method=none]\n" for arm in arms)
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(f"base: {base}\narms:\n{body}")
+    groups = grid_groups([load_grid(files[n]) for n in "abc"])
+    assert sorted([g.name for g in grp] for grp in groups) == [["a", "c"], ["b"]]
