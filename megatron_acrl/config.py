@@ -645,8 +645,14 @@ class TrainingConfig(_Section):
     eval_interval: int = 0
     """Evaluate on the held-out split every N steps; 0 disables."""
 
-    logprob_chunk_size: int = 1024
-    """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory)."""
+    logprob_chunk_size: int | None = None
+    """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory); None sizes
+    chunks so one chunk's float32 working set stays in each core's cache on CPU (1024 on GPU)."""
+
+    activation_recompute: Literal["none", "full"] = "none"
+    """Recompute each transformer layer's activations during backward (Megatron full / uniform, one
+    layer per checkpoint): less activation memory for one more forward. MoE routing replay replays
+    the same experts in the recomputed forward."""
 
     sft_steps: int = 0
     """Supervised warm-start steps on the task's reference answers before RL (0 skips it). The
@@ -671,7 +677,12 @@ class TrainingConfig(_Section):
         _check(e, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables)")
         _check(e, self.save_interval >= 0, "save_interval", "must be >= 0")
         _check(e, self.eval_interval >= 0, "eval_interval", "must be >= 0")
-        _check(e, self.logprob_chunk_size >= 1, "logprob_chunk_size", "must be >= 1")
+        _check(
+            e,
+            self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
+            "logprob_chunk_size",
+            "must be >= 1, or null to size chunks automatically",
+        )
         _check(e, self.sft_steps >= 0, "sft_steps", "must be >= 0 (0 skips the warm-start)")
         _check(e, self.sft_lr > 0, "sft_lr", "must be > 0")
         _check(e, self.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")

@@ -21,6 +21,7 @@ Names follow verl's ``rollout_corr/*`` vocabulary under the prefix ``mismatch/``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -96,77 +97,93 @@ def _denominator(n: int | Tensor, like: Tensor) -> Tensor | float:
     return 1.0 / max(float(n), 1.0)
 
 
-def _masked_extremes(stacked: Tensor, m: Tensor) -> Tensor:
-    """``[2, K]``: max and min over valid entries of each row of ``stacked`` ``[K, B, T]``.
+@functools.lru_cache(maxsize=64)
+def _const(value: float | tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small constant tensor, built once per (value, dtype, device).
 
-    Rows of an empty selection give -inf (max) / +inf (min).
+    Every ``torch.tensor``/``torch.full`` call is a dispatch; on a 16 x 512 micro-batch the whole
+    correction is a few dozen small ops, so constants are worth caching. Never mutate the result.
     """
-    k = stacked.shape[0]
-    if m.numel() == 0:  # an empty micro-batch; shapes are known without a device sync
-        inf = torch.full((k,), math.inf, dtype=stacked.dtype, device=stacked.device)
-        return torch.stack([-inf, inf])
-    inf = torch.tensor(math.inf, dtype=stacked.dtype, device=stacked.device)
-    return torch.stack(
-        [torch.where(m, stacked, -inf).amax((1, 2)), torch.where(m, stacked, inf).amin((1, 2))]
-    )
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 class MismatchTensors:
     """Shared intermediates of one micro-batch, computed once for metrics, weights and ACRL.
 
     Everything is detached. Padding holds ``log pi = log mu = log rho = 0``, so every per-token
-    quantity below is exactly 0 there and sums need no further masking.
+    quantity below is exactly 0 there and sums need no further masking. All per-token rows live
+    in one ``[K, B, T]`` buffer written in place and reduced once: on a micro-batch the correction
+    is a few dozen small ops, and their number, not their size, is what it costs.
 
     Attributes:
-        mask: ``[B, T]`` bool.
+        mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: ``log(mask_f)``.
         log_ratio: ``[B, T]`` ``log rho = log pi - log mu``.
         clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
-        rho: ``[B, T]`` ``exp(clamped)``.
-        per_token: ``[K, B, T]`` rows named by :attr:`ROWS` (the first three are the ones whose
-            extremes are reported).
-        seq_sums: ``[K, B]`` row sums over T (float64).
-        lens: ``[B]`` valid tokens per sequence (float64); ``valid``: ``[B]`` bool.
+        rho: ``[B, T]`` ``exp(clamped)`` (computed on first use).
+        per_token: ``[K, B, T]`` rows named by :attr:`ROWS`.
+        seq_sums: ``[K, B]`` float64 row sums over T.
+        lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
+        valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
     """
 
-    ROWS = ("log_ratio", "logprob_abs", "prob_abs", "k3", "rho_sq_m1", "logp", "logq")
+    ROWS = (
+        "logp", "logq", "neg_log_ratio", "log_ratio", "prob_abs", "logprob_abs", "k3", "rho_sq_m1", "mask",
+    )  # fmt: skip
 
     def __init__(self, logp: Tensor, logq: Tensor, mask: Tensor):
         m = mask if mask.dtype == torch.bool else mask.bool()
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        lp = torch.where(m, logp.detach(), zero)
-        lq = torch.where(m, logq.detach(), zero)
-        d = lp - lq
+        dtype, dev = torch.promote_types(logp.dtype, logq.dtype), logp.device
+        zero = _const(0.0, dtype, dev)
+        rows = torch.empty((len(self.ROWS), *m.shape), dtype=dtype, device=dev)
+        lp, lq, nd, d, dp, ad, k3, chi, mf = rows.unbind(0)
+        torch.where(m, logp.detach(), zero, out=lp)
+        torch.where(m, logq.detach(), zero, out=lq)
+        torch.sub(lp, lq, out=d)
+        torch.sub(lq, lp, out=nd)  # k1 per token; its max is -min(log rho)
+        probs = torch.exp(rows[:2])
+        torch.sub(probs[0], probs[1], out=dp).abs_()
+        torch.abs(d, out=ad)
         dc = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        rho = torch.exp(dc)
-        self.mask, self.log_ratio, self.clamped, self.rho = m, d, dc, rho
-        self.per_token = torch.stack(
-            [
-                d,
-                d.abs(),
-                (torch.exp(lp) - torch.exp(lq)).abs(),
-                (rho - dc) - 1.0,
-                torch.expm1(2.0 * dc),
-                lp,
-                lq,
-            ]
-        )
-        # Accumulate in float64: partial sums over millions of tokens must not lose digits.
-        self.seq_sums = self.per_token.sum(-1, dtype=torch.float64)
-        self.lens = m.sum(-1, dtype=torch.float64)
-        self.valid = self.lens > 0
+        em1 = torch.expm1(dc)  # rho - 1 without cancellation near rho = 1
+        torch.sub(em1, dc, out=k3)
+        torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
+        mf.copy_(m)
+        # 0 on valid tokens, -inf on padding: x + pad is x masked for a max, x - pad for a min.
+        self.pad = torch.log(mf)
+        self.mask, self.mask_f, self.log_ratio, self.clamped, self._em1 = m, mf, d, dc, em1
+        self.per_token = rows
+        # float64 accumulation: exp(2 * sum log rho) (chi2_seq) amplifies any rounding of the sum.
+        self.seq_sums = rows.sum(-1, dtype=torch.float64)
+        self.lens = self.seq_sums[-1]
+        self.lens_c = self.lens.clamp_min(1)
+        self.valid_f = self.lens.clamp_max(1)
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        """``[B]`` bool, sequences with at least one valid token."""
+        return self.lens > 0
+
+    @functools.cached_property
+    def rho(self) -> Tensor:
+        return self._em1 + 1.0
 
     def row(self, name: str) -> int:
         return self.ROWS.index(name)
 
     def seq_mean(self, name: str) -> Tensor:
         """``[B]`` float64 mean over each sequence's valid tokens (0 for empty sequences)."""
-        return self.seq_sums[self.row(name)] / self.lens.clamp_min(1)
+        return self.seq_sums[self.row(name)] / self.lens_c
 
 
+# Partial names of mismatch_metrics' flat result, in order; None marks a by-product that is dropped.
 _MISMATCH_NAMES = (
-    "kl", "logprob_abs_diff", "prob_abs_diff", "k3_kl", "chi2_token",
-    "training_ppl", "rollout_ppl", "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio",
-    "chi2_seq_lse", "log_ratio_max", "logprob_abs_diff_max", "prob_abs_diff_max", "log_ratio_min",
+    # token means of rows neg_log_ratio .. rho_sq_m1
+    "kl", None, "prob_abs_diff", "logprob_abs_diff", "k3_kl", "chi2_token",
+    # sequence means
+    "training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff", "log_ppl_abs_diff",
+    "chi2_seq_lse",
+    # extremes: max(-log rho), max log rho, max |dp|, max |log rho|, min log rho
+    None, "log_ratio_max", "prob_abs_diff_max", "logprob_abs_diff_max", "log_ratio_min",
 )  # fmt: skip
 
 
@@ -199,23 +216,32 @@ def mismatch_metrics(
     """
     sh = shared if shared is not None else MismatchTensors(logp, logq, mask)  # type: ignore[arg-type]
     ss = sh.seq_sums
-    # Token means of log rho (negated below: k1 = E[log mu - log pi]), |log rho|, |dp|, k3, rho^2 - 1.
-    tok = ss[:5].sum(-1) * _denominator(num_tokens, ss)
-    # Per-sequence means of log pi and log mu; empty sequences have zero sums and drop out below.
-    means = ss[5:7] / sh.lens.clamp_min(1)
-    log_ppl_diff = (means[1] - means[0]).unsqueeze(0)  # log ppl_train - log ppl_rollout
-    seq_rows = (
-        torch.cat([torch.exp(-means), torch.exp(log_ppl_diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))])
-        * sh.valid
+    f64, dev = ss.dtype, ss.device
+    tok = ss[2:8].sum(-1) * _denominator(num_tokens, ss)
+    # Per sequence: mean log pi, mean log mu, mean log(mu / pi) = log ppl_train - log ppl_rollout.
+    means = ss[:3] / sh.lens_c
+    # exp(-mean log pi), exp(-mean log mu): the perplexities; exp(log ppl diff), saturated like rho.
+    bound = LOG_RATIO_BOUND
+    ppl = torch.exp(
+        torch.clamp(
+            means * _const(((-1.0,), (-1.0,), (1.0,)), f64, dev),
+            _const(((-math.inf,), (-math.inf,), (-bound,)), f64, dev),
+            _const(((math.inf,), (math.inf,), (bound,)), f64, dev),
+        )
     )
-    seq = torch.cat([seq_rows[:2], log_ppl_diff, log_ppl_diff.abs(), seq_rows[2:]]).sum(-1)
-    seq = seq * _denominator(num_seqs, ss)
+    seq_rows = torch.cat([ppl, means[2:], means[2:].abs()])  # [5, B]; empty sequences drop out below
+    seq = torch.mv(seq_rows, sh.valid_f) * _denominator(num_seqs, ss)
     # chi2_seq: log E[(prod rho)^2] = logsumexp_i(2 * sum_t log rho) - log(num_seqs); no overflow.
-    two_s = torch.where(sh.valid, 2.0 * ss[0], -math.inf)
+    two_s = torch.where(sh.valid, ss[3], _const(-math.inf, f64, dev)).mul_(2.0)
     chi2_lse = torch.logsumexp(two_s, dim=0, keepdim=True) - _log_count(num_seqs, ss)
-    ext = _masked_extremes(sh.per_token[:3], sh.mask)  # [2, 3]: max/min of log rho, |log rho|, |dp|
-    values = torch.cat([-tok[:1], tok[1:], seq, chi2_lse, ext[0], ext[1, :1]])
-    return {prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True)}
+    rows = sh.per_token
+    if sh.mask.numel() == 0:
+        ext = _const((-math.inf,) * 3, rows.dtype, dev)
+    else:  # max(-log rho) = -min(log rho), max log rho, max |dp|: one masked reduction
+        ext = (rows[2:5] + sh.pad).amax((1, 2))
+    ext = torch.cat([ext, ext[:2].amax(0, keepdim=True), -ext[:1]])
+    values = torch.cat([tok, seq, chi2_lse, ext])
+    return {prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None}
 
 
 def _log_count(n: int | Tensor, like: Tensor) -> Tensor | float:
@@ -238,8 +264,11 @@ def row_sums(
     out: dict[str, Tensor] = {}
     for rows, dims, n in ((token_rows, (1, 2), num_tokens), (seq_rows, (1,), num_seqs)):
         if rows:
-            sums = torch.stack(list(rows.values())).sum(dims, dtype=torch.float64)
-            out.update(zip(rows, (sums * _denominator(n, sums)).unbind(0), strict=True))
+            stacked = torch.stack(list(rows.values()))
+            # float64: the std of the weights is sqrt(E[w^2] - E[w]^2), a difference of two sums.
+            sums = stacked.sum(dims, dtype=torch.float64)
+            sums = sums * _denominator(n, sums)
+            out.update(zip(rows, sums.unbind(0), strict=True))
     return out
 
 
@@ -250,25 +279,33 @@ def weight_metrics(
     num_tokens: int | Tensor,
     prefix: str = "correction/",
     extra_token_rows: dict[str, Tensor] | None = None,
+    pad: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Partial statistics of per-token correction weights over valid tokens.
 
     Args:
-        weights: ``[B, T]`` detached correction weights (0 on padding and where a token/sequence is
-            masked out).
+        weights: ``[B, T]`` detached, finite, non-negative correction weights (0 on padding and
+            where a token/sequence is masked out).
         mask: ``[B, T]`` response mask.
         num_tokens: global number of valid tokens.
         extra_token_rows: further ``[B, T]`` rows averaged in the same reduction (full key names).
+        pad: ``[B, T]`` 0 on valid tokens, -inf on padding (:attr:`MismatchTensors.pad`); derived
+            from ``mask`` when None.
     Returns:
         ``weight_mean``, ``weight_sq_mean`` (sum-reduced; std and ``ess`` are derived in
         :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
     """
-    m = mask if mask.dtype == torch.bool else mask.bool()
     w = weights.detach()
+    if pad is None:
+        m = mask if mask.dtype == torch.bool else mask.bool()
+        pad = torch.where(m, _const(0.0, w.dtype, w.device), _const(-math.inf, w.dtype, w.device))
     rows = {prefix + "weight_mean": w, prefix + "weight_sq_mean": w * w, **(extra_token_rows or {})}
     out = row_sums(rows, {}, num_tokens=num_tokens, num_seqs=1)
-    ext = _masked_extremes(w.unsqueeze(0), m).flatten().unbind(0)
-    out[prefix + "weight_max"], out[prefix + "weight_min"] = ext
+    if w.numel() == 0:  # an empty micro-batch: max/min of nothing, without reducing an empty tensor
+        ext = _const((-math.inf, math.inf), w.dtype, w.device)
+    else:
+        ext = torch.stack([(w + pad).amax(), (w - pad).amin()])
+    out[prefix + "weight_max"], out[prefix + "weight_min"] = ext.unbind(0)
     return out
 
 
@@ -283,13 +320,7 @@ def _to_floats(values: list[Tensor]) -> list[float]:
     place: list[tuple[int, int]] = []  # (source index, element offset) per value
     for v in values:
         base = v._base
-        if (
-            base is not None
-            and base.dim() == 1
-            and base.is_contiguous()
-            and v.dim() == 0
-            and base.dtype == v.dtype
-        ):
+        if base is not None and base.dim() == 1 and v.dim() == 0 and base.stride(0) == 1:
             src, off = base, v.storage_offset() - base.storage_offset()
         else:
             src, off = v.detach().reshape(1), 0
@@ -300,9 +331,7 @@ def _to_floats(values: list[Tensor]) -> list[float]:
     offsets = [0]
     for s in sources:
         offsets.append(offsets[-1] + s.numel())
-    flat = (
-        torch.cat([s.detach().double() for s in sources]) if len(sources) > 1 else sources[0].double()
-    ).tolist()
+    flat = (torch.cat(sources) if len(sources) > 1 else sources[0]).double().tolist()
     return [flat[offsets[i] + off] for i, off in place]
 
 

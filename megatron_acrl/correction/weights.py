@@ -29,6 +29,7 @@ from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction.metrics import (
     LOG_RATIO_BOUND,
     MismatchTensors,
+    _const,
     row_sums,
     weight_metrics,
 )
@@ -168,12 +169,12 @@ def compute_correction(
     """
     sh = _shared(old_logprobs, rollout_logprobs, mask, shared)
     d, dc, m = sh.log_ratio, sh.clamped, sh.mask
-    zero = torch.zeros((), dtype=d.dtype, device=d.device)
+    zero = _const(0.0, d.dtype, d.device)
     tok_rows: dict[str, Tensor] = {}  # [B, T] rows averaged over global tokens in one reduction
     seq_rows: dict[str, Tensor] = {}  # [B] rows averaged over global sequences in one reduction
     method = cfg.method
     seq_keep: Tensor | None = None  # [B] bool, sequences kept by masks / veto
-    seq_log_ratio = sh.seq_sums[0]  # [B] float64: log prod_t rho
+    seq_log_ratio = sh.seq_sums[sh.row("log_ratio")]  # [B] float64: log prod_t rho
 
     def band(values: Tensor, low: float, high: float) -> Tensor:
         lo, hi = _log_bounds(low, high)
@@ -213,11 +214,12 @@ def compute_correction(
             ratio: Tensor | float = (y_i / max(acrl.x, cfg.eps)).to(d.dtype).unsqueeze(-1)
         else:
             ratio = acrl.y_over_x(cfg.eps)
+        # alpha is 0 on padding, so the weight there is exp(0) = 1 until the final masking.
         alpha = torch.where(m, acrl_alpha(advantages, ratio, cfg.gamma, cfg.alpha_max), zero)
-        weights = torch.exp((alpha * dc).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        weights = (alpha * dc).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
         if cfg.weight_low is not None or cfg.weight_high is not None:
-            weights = weights.clamp(cfg.weight_low, cfg.weight_high)
-        weights = torch.where(m, weights, zero)
+            weights = weights.clamp_(cfg.weight_low, cfg.weight_high)
+        weights = torch.where(m, weights, zero, out=weights)
         tok_rows["acrl/alpha_mean"], tok_rows["acrl/alpha_abs_mean"] = alpha, alpha.abs()
     else:
         raise ValueError(f"unknown correction.method {method!r}")
@@ -243,6 +245,6 @@ def compute_correction(
         weights = weights / torch.as_tensor(mean, dtype=weights.dtype, device=weights.device).clamp_min(1e-8)
 
     weights = weights.detach()
-    metrics = weight_metrics(weights, m, num_tokens=num_tokens, extra_token_rows=tok_rows)
+    metrics = weight_metrics(weights, m, num_tokens=num_tokens, extra_token_rows=tok_rows, pad=sh.pad)
     metrics.update(row_sums({}, seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
     return Correction(weights=weights, metrics=metrics)

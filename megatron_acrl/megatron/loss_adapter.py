@@ -80,7 +80,7 @@ class LossAdapter:
         tp_group: tensor-parallel group of this rank (the logits are vocab-parallel over it).
         vocab_size: real vocabulary size (Megatron's padding rows are excluded from the softmax).
         temperature: rollout sampling temperature (log-probs are of ``softmax(logits / T)``).
-        chunk_size: tokens per chunk of the fused log-prob.
+        chunk_size: tokens per chunk of the fused log-prob (None: sized automatically).
         norm_len: constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO); None uses the config.
         entropy: compute token entropies (needed for ``entropy_coef`` > 0; also logged).
         loss_fn: the pure loss; default ``megatron_acrl.losses.rl_loss``.
@@ -94,7 +94,7 @@ class LossAdapter:
         tp_group: dist.ProcessGroup | None,
         vocab_size: int,
         temperature: float = 1.0,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
         norm_len: int | None = None,
         entropy: bool = True,
         loss_fn: LossFn | None = None,
