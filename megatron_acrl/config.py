@@ -125,6 +125,11 @@ class ModelConfig(_Section):
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient."""
 
+    moe_routing_replay: Literal["off", "rollout", "train"] = "off"
+    """MoE routing replay (the issue's moe.routing_replay): off (the trainer routes itself), rollout
+    (R3: pi_old and training passes replay the experts SGLang chose), train (R2: the training pass
+    replays the pi_old pass's own routing)."""
+
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Training precision of parameters and activations (fp32 for exact layout-parity tests)."""
 
@@ -168,6 +173,13 @@ class ModelConfig(_Section):
             "family qwen3_moe needs num_experts > 0",
         )
         _check(e, self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
+        _check(
+            e,
+            self.moe_routing_replay == "off" or self.num_experts > 0,
+            "moe_routing_replay",
+            f"{self.moe_routing_replay!r} replays MoE routing but the model is dense (num_experts=0); "
+            "set moe_routing_replay: off",
+        )
         return e
 
     @property
@@ -336,6 +348,11 @@ class RolloutConfig(_Section):
 
     max_concurrency: int = 64
     """Concurrent /generate requests per server."""
+
+    return_routed_experts: bool | None = None
+    """Ask SGLang for the experts each token was routed to (server --enable-return-routed-experts;
+    MoE models): null = only when model.moe_routing_replay=rollout replays them; true also gives the
+    routing metrics (trainer-vs-rollout expert disagreement) with replay off or train."""
 
     request_timeout_s: float = 600.0
     """Timeout of one /generate request."""
@@ -820,6 +837,13 @@ class Config:
                 p.tp == 1 or p.sequence_parallel,
                 "parallel.sequence_parallel",
                 "MoE with tp > 1 needs sequence_parallel: true (Megatron requirement)",
+            )
+            _check(
+                e,
+                m.moe_routing_replay != "rollout" or self.rollout.return_routed_experts is not False,
+                "rollout.return_routed_experts",
+                "model.moe_routing_replay=rollout replays the experts SGLang returns; set "
+                "return_routed_experts: true (or null), or moe_routing_replay: off / train",
             )
         else:
             _check(

@@ -42,6 +42,16 @@ def fp8_scheme(cfg: Config) -> Fp8Scheme | None:
     )
 
 
+def routed_experts_topk(cfg: Config) -> int | None:
+    """The top-k to request routed experts with (None: not requested). ``rollout.return_routed_experts``
+    None means: when R3 replays them (``model.moe_routing_replay=rollout``); set it true to also get
+    the routing metrics with replay off or R2."""
+    want = cfg.rollout.return_routed_experts
+    if want is None:
+        want = cfg.model.moe_routing_replay == "rollout"
+    return cfg.model.moe_router_topk if want and cfg.model.is_moe else None
+
+
 def resolve_device(cfg: Config) -> str:
     if cfg.rollout.device != "auto":
         return cfg.rollout.device
@@ -108,6 +118,7 @@ class RolloutEngine:
             random_seed=self.cfg.training.seed + i,
             # Real FP8 on a GPU: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
             quantization="fp8" if self.device == "cuda" and r.quantization != "none" else None,
+            return_routed_experts=routed_experts_topk(self.cfg) is not None,
         )
         return SGLangServer(
             spec, self.log_dir / f"sglang_{i}.log", startup_timeout_s=r.startup_timeout_s, name=f"sglang[{i}]"
@@ -153,6 +164,7 @@ class RolloutEngine:
                     api_key=self.api_key,
                     timeout_s=self.cfg.rollout.request_timeout_s,
                     max_concurrency=self.cfg.rollout.max_concurrency,
+                    routed_experts_topk=routed_experts_topk(self.cfg),
                 )
                 for u in self.urls
             ]

@@ -3,7 +3,11 @@
 Data contract (DESIGN.md): ``tokens [N, L]`` (prompt + response, right-padded), ``loss_mask
 [N, L]`` (1 on response tokens), ``rollout_logprobs [N, L]`` float32 aligned so position t holds
 ``log mu(token t | tokens < t)`` (position 0 and padding hold 0), ``rewards [N]``, ``group_ids
-[N]``, ``response_len [N]``; N = prompts x samples, grouped by prompt.
+[N]``, ``response_len [N]``; N = prompts x samples, grouped by prompt. MoE rollouts may carry
+``routed_experts [N, L, num_layers, top_k]`` int16: position p holds the experts SGLang routed token p
+to, -1 where there is no routing (each sequence's last token, which the engine never fed through the
+model, and padding). Aligned with ``tokens``, not with the log-probs: the routing of position t-1
+produced the distribution of token t.
 
 Non-finite rollout log-probs (an engine fault, seen in the field as NaN from overflowing FP8
 kernels) are masked out of the loss and counted, so they never reach a gradient.
@@ -41,12 +45,16 @@ class RolloutBatch:
     prompts: list[str] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
     num_nonfinite_logprobs: int = 0
+    routed_experts: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def tensors(self) -> dict[str, Tensor]:
-        return {k: getattr(self, k) for k in TENSOR_FIELDS}
+        out = {k: getattr(self, k) for k in TENSOR_FIELDS}
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts
+        return out
 
     def select(self, index: Sequence[int] | Tensor) -> RolloutBatch:
         """Rows ``index`` (e.g. groups kept by DAPO dynamic sampling)."""
@@ -59,6 +67,7 @@ class RolloutBatch:
             prompts=[self.prompts[i] for i in pick] if self.prompts else [],
             completions=[self.completions[i] for i in pick] if self.completions else [],
             num_nonfinite_logprobs=self.num_nonfinite_logprobs,
+            routed_experts=self.routed_experts[idx] if self.routed_experts is not None else None,
         )
 
     @staticmethod
@@ -79,6 +88,13 @@ class RolloutBatch:
         for k in ("finish_reasons", "weight_versions", "prompts", "completions"):
             out[k] = [x for b in batches for x in getattr(b, k)]
         out["num_nonfinite_logprobs"] = sum(b.num_nonfinite_logprobs for b in batches)
+        experts = [b.routed_experts for b in batches]
+        if any(e is not None for e in experts):
+            if any(e is None for e in experts):
+                raise ValueError("cannot concatenate rollout batches with and without routed_experts")
+            out["routed_experts"] = torch.cat(
+                [torch.nn.functional.pad(e, (0, 0, 0, 0, 0, width - e.shape[1]), value=-1) for e in experts]
+            )
         return RolloutBatch(**out)
 
     # -- record / replay ------------------------------------------------------------------------
@@ -125,8 +141,13 @@ def build_batch(
     weight_versions: Sequence[str] = (),
     prompts: Sequence[str] = (),
     completions: Sequence[str] = (),
+    routed_experts: Sequence[Any] | None = None,
 ) -> RolloutBatch:
-    """Assemble right-padded tensors from per-sample token lists (see module doc for layout)."""
+    """Assemble right-padded tensors from per-sample token lists (see module doc for layout).
+
+    ``routed_experts``: per sample ``[P + O - 1, num_layers, top_k]`` integers (SGLang's routing of
+    positions 0 .. P+O-2), or None.
+    """
     n = len(prompt_ids)
     if not (len(output_ids) == len(output_logprobs) == len(rewards) == len(group_ids) == n):
         raise ValueError(
@@ -149,6 +170,9 @@ def build_batch(
             mask[i, len(p) : len(p) + len(o)] = 1.0
             lps[i, len(p) : len(p) + len(o)] = torch.tensor(lp, dtype=torch.float32)
     lps, mask, bad = sanitize_logprobs(lps, mask)
+    experts = None
+    if routed_experts is not None:
+        experts = _routing_tensor(routed_experts, prompt_ids, output_ids, width)
     return RolloutBatch(
         tokens=tokens,
         loss_mask=mask,
@@ -161,7 +185,33 @@ def build_batch(
         prompts=list(prompts),
         completions=list(completions),
         num_nonfinite_logprobs=bad,
+        routed_experts=experts,
     )
+
+
+def _routing_tensor(
+    routed: Sequence[Any],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    width: int,
+) -> Tensor:
+    """``[N, width, layers, k]`` int16 from per-sample ``[P + O - 1, layers, k]`` arrays; -1 elsewhere."""
+    arrays = [torch.as_tensor(r) for r in routed]
+    if len(arrays) != len(prompt_ids):
+        raise ValueError(f"{len(arrays)} routed_experts for {len(prompt_ids)} samples")
+    shape = arrays[0].shape[1:]
+    out = torch.full((len(arrays), width, *shape), -1, dtype=torch.int16)
+    for i, (r, p, o) in enumerate(zip(arrays, prompt_ids, output_ids, strict=True)):
+        rows = len(p) + len(o) - 1
+        if r.dim() != 3 or r.shape[0] != rows or r.shape[1:] != shape:
+            raise ValueError(
+                f"sample {i}: routed_experts of shape {tuple(r.shape)}, expected [{rows}, *{tuple(shape)}] "
+                "(one row per position but the last)"
+            )
+        if rows and (int(r.max()) >= 2**15 or int(r.min()) < 0):
+            raise ValueError(f"sample {i}: routed expert ids outside [0, 32767]")
+        out[i, :rows] = r.to(torch.int16)
+    return out
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], max_prompt_len: int) -> list[list[int]]:
@@ -214,7 +264,7 @@ def score_groups(
     first_group_id: int = 0,
 ) -> RolloutBatch:
     """Decode, reward and pack the samples of each prompt into a :class:`RolloutBatch`."""
-    rows: dict[str, list[Any]] = {k: [] for k in ("p", "o", "lp", "r", "g", "f", "v", "pt", "ct")}
+    rows: dict[str, list[Any]] = {k: [] for k in ("p", "o", "lp", "r", "g", "f", "v", "pt", "ct", "re")}
     for gi, (prompt, pids, samples) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
         for s in samples:
             out = list(s.output_ids)
@@ -229,6 +279,10 @@ def score_groups(
             rows["v"].append(str(s.weight_version))
             rows["pt"].append(prompt.text)
             rows["ct"].append(completion)
+            rows["re"].append(getattr(s, "routed_experts", None))
+    with_experts = [r is not None for r in rows["re"]]
+    if any(with_experts) and not all(with_experts):
+        raise ValueError("some samples carry routed_experts and others do not (mixed servers?)")
     return build_batch(
         rows["p"],
         rows["o"],
@@ -240,6 +294,7 @@ def score_groups(
         weight_versions=rows["v"],
         prompts=rows["pt"],
         completions=rows["ct"],
+        routed_experts=rows["re"] if rows["re"] and all(with_experts) else None,
     )
 
 
@@ -309,6 +364,12 @@ def _rank0_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict
     r, a = cfg.rollout, cfg.algorithm
     if ctx.args.load_rollouts:
         batch = load_rollouts(ctx.args.load_rollouts, step)
+        if cfg.model.moe_routing_replay == "rollout" and batch.routed_experts is None:
+            raise ValueError(
+                f"--load-rollouts {ctx.args.load_rollouts}: step {step} was recorded without routed "
+                "experts, which model.moe_routing_replay=rollout replays; record with an MoE model and "
+                "rollout.return_routed_experts, or set moe_routing_replay: off / train"
+            )
         return batch, {"rollout/replayed": 1.0}
     need = r.prompts_per_step
     kept: list[RolloutBatch] = []

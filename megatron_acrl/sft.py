@@ -25,7 +25,9 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
     src = json.dumps(
         [
             str(base_dir),
-            config_to_dict(cfg.model),
+            # Routing replay changes how RL passes route, not the warm-started weights: arms that
+            # differ only in it share one warm start (and keys predating the field stay valid).
+            {k: v for k, v in config_to_dict(cfg.model).items() if k != "moe_routing_replay"},
             config_to_dict(cfg.task),
             cfg.training.sft_steps,
             cfg.training.sft_lr,
@@ -100,6 +102,8 @@ def sft_warmstart(
         ),
         correction=dataclasses.replace(cfg.correction, method="none"),
         algorithm=dataclasses.replace(cfg.algorithm, kl_coef=0.0, entropy_coef=0.0),
+        # Supervised batches have no rollout routing to replay.
+        model=dataclasses.replace(cfg.model, moe_routing_replay="off"),
     )
     trainer = Trainer(sft_cfg, loss_fn=sft_loss, total_steps=t.sft_steps)
     trainer.load_hf(base_dir)

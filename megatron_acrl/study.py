@@ -480,8 +480,12 @@ def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: flo
         "rollout sees FP8 weight rounding, not FP8 activations or KV cache.",
         "",
     ]
+    wall_file = out / "study_wall.json"
+    if wall_s is None and wall_file.exists():  # --report-only: the wall time of the run that made them
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            wall_s = float(json.loads(wall_file.read_text())["wall_s"])
     if wall_s is not None:
-        lines.append(f"Wall time of this invocation: {wall_s / 60:.1f} min.")
+        lines.append(f"Wall time of the grid invocation: {wall_s / 60:.1f} min.")
     if run_walls:
         lines.append(
             f"Sum of the {len(run_walls)} runs' own wall times: {sum(run_walls) / 60:.1f} min "
@@ -496,8 +500,14 @@ def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: flo
         "run's smoothed peak (runs collapsed / seeds).",
         "",
     ]
+    collected = {g.name: collect(g, out) for g in grids}
+    lines += ["## Goal verdict at a glance", ""]
     for g in grids:
-        results = collect(g, out)
+        lines += [f"*{g.title}* (`{g.name}`):", ""]
+        lines += verdict(g, collected[g.name])
+        lines.append("")
+    for g in grids:
+        results = collected[g.name]
         cfg = next(iter(g.configs.values()))
         m = cfg.model
         moe = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.is_moe else ""
@@ -567,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         run_grids(grids, out, args.jobs)
     wall = time.monotonic() - t0
+    if not args.report_only:
+        (out / "study_wall.json").write_text(
+            json.dumps({"wall_s": wall, "grids": [g.name for g in grids], "jobs": args.jobs}) + "\n"
+        )
     report = write_report(grids, out, Path(args.report), None if args.report_only else wall)
     print(f"study report: {report}")
     print(f"study: total wall time {wall / 60:.1f} min", flush=True)

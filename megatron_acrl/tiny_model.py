@@ -200,7 +200,8 @@ def build_checkpoint(
     arch_fields = {
         f.name: getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
-        if f.name not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff")
+        if f.name
+        not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff", "moe_routing_replay")
     }
     tok_vocab = min(cfg.vocab_size, 320)  # the tokenizer stays small; the embedding may be larger
     key_src = json.dumps([CHECKPOINT_RECIPE_VERSION, arch_fields, seed, init, tok_vocab], sort_keys=True)

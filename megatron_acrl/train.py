@@ -31,7 +31,11 @@ def train(ctx: RunContext, state: DriverState) -> DriverState:
         batch, m = collect_rollouts(ctx, state, step)  # generate -> reward (rank 0), broadcast
         t1 = time.perf_counter()
         tb = batch.tensors()
-        tb["old_logprobs"] = trainer.forward_logprobs(tb)["logprobs"]  # pi_old
+        old = trainer.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
+        tb["old_logprobs"] = old["logprobs"]
+        if "recorded_experts" in old:  # R2: the training pass replays this pass's routing
+            tb["recorded_experts"] = old["recorded_experts"]
+        m.update(trainer.routing_metrics(tb))  # MoE: trainer-vs-rollout routing mismatch
         if cfg.algorithm.kl_coef > 0:
             tb["ref_logprobs"] = trainer.forward_logprobs(tb, reference=True)["logprobs"]
         if ctx.critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages

@@ -13,6 +13,13 @@ before top-p/top-k truncation of the sampling distribution), unless the *server*
 trainer can compute matching log-probs; the client is told the server's mode (``original_logprobs``)
 rather than guessing it.
 
+Routed experts (MoE routing replay, R3): with ``routed_experts_topk=k`` a request asks for
+``return_routed_experts`` (the server must run with ``--enable-return-routed-experts``, else SGLang
+silently drops the field) and :attr:`Sample.routed_experts` holds the decoded routing: SGLang sends
+base64 of raw int32 ``[P + O - 1, num_layers, k]``, one row per absolute position 0 .. P+O-2 of the
+prompt + output (the last output token was never fed through the model), experts in descending
+router probability.
+
 Errors: connection failures are retried with exponential backoff; after ``retries`` attempts a
 :class:`ServerGoneError` names the server (never a hang: every request has a timeout). A non-2xx
 answer raises :class:`SGLangHTTPError` with the server's message.
@@ -21,6 +28,7 @@ answer raises :class:`SGLangHTTPError` with the server's message.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 from collections.abc import Sequence
@@ -28,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 from tqdm.auto import tqdm
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -93,6 +102,9 @@ class Sample:
     """Temperature the log-probs are computed at (see the module docstring)."""
     server: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    routed_experts: np.ndarray | None = None
+    """MoE routing of positions ``0 .. len(prompt_ids) + len(output_ids) - 2``: int32 ``[P + O - 1,
+    num_layers, top_k]`` (None unless requested; see the module docstring)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,8 +120,27 @@ _CONN_ERRORS = (
 )
 
 
+def decode_routed_experts(encoded: str, num_positions: int, topk: int) -> np.ndarray:
+    """SGLang's ``meta_info["routed_experts"]`` -> int32 ``[num_positions, num_layers, topk]``.
+
+    Raises ``ValueError`` when the payload does not hold ``num_positions`` rows of a whole number of
+    layers (a request sent with a nonzero ``routed_experts_start_len``, or a wrong ``topk``).
+    """
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    per_row = topk * num_positions
+    if num_positions <= 0 or flat.size % per_row:
+        raise ValueError(
+            f"routed_experts holds {flat.size} int32 values, not num_positions={num_positions} x "
+            f"num_layers x top_k={topk}"
+        )
+    return flat.reshape(num_positions, flat.size // per_row, topk).copy()
+
+
 class SGLangClient:
-    """Client of one server; use as ``async with`` (or call :meth:`aclose`)."""
+    """Client of one server; use as ``async with`` (or call :meth:`aclose`).
+
+    ``routed_experts_topk``: the served MoE model's top-k; set it to request and decode routed experts.
+    """
 
     def __init__(
         self,
@@ -121,8 +152,10 @@ class SGLangClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         original_logprobs: bool = False,
+        routed_experts_topk: int | None = None,
     ):
         self.url = url.rstrip("/")
+        self.routed_experts_topk = routed_experts_topk
         self.retries = retries
         self.backoff_s = backoff_s
         self.original_logprobs = original_logprobs
@@ -222,11 +255,26 @@ class SGLangClient:
             "logprob_start_len": len(prompt) - 1,
             "rid": rid or f"acrl-{id(self):x}-{next(self._rid)}",
         }
+        if self.routed_experts_topk:
+            # From position 0: the prompt's routing shapes the KV every output token attends to.
+            body.update(return_routed_experts=True, routed_experts_start_len=0)
         async with self._sem:
             out = (await self._request("POST", "/generate", body)).json()
         mi = out["meta_info"]
         lps = [float(x[0]) for x in mi.get("output_token_logprobs") or []]
         finish = mi.get("finish_reason") or {}
+        experts = None
+        if self.routed_experts_topk:
+            if not mi.get("routed_experts"):
+                raise SGLangHTTPError(
+                    self.url,
+                    "/generate",
+                    200,
+                    "no routed_experts in the answer: start the server with --enable-return-routed-experts "
+                    "(ServerSpec.return_routed_experts) and serve an MoE model",
+                )
+            n_pos = len(prompt) + len(out["output_ids"]) - 1
+            experts = decode_routed_experts(mi["routed_experts"], n_pos, self.routed_experts_topk)
         return Sample(
             prompt_ids=prompt,
             output_ids=[int(t) for t in out["output_ids"]],
@@ -237,6 +285,7 @@ class SGLangClient:
             logprob_temperature=self.logprob_temperature(params),
             server=self.url,
             meta={k: mi[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "id") if k in mi},
+            routed_experts=experts,
         )
 
     async def generate(
@@ -387,4 +436,12 @@ class SGLangClient:
         return await self._post("/destroy_weights_update_group", {"group_name": group_name})
 
 
-__all__ = ["PauseMode", "Sample", "SamplingParams", "ServerGoneError", "SGLangClient", "SGLangHTTPError"]
+__all__ = [
+    "PauseMode",
+    "Sample",
+    "SamplingParams",
+    "ServerGoneError",
+    "SGLangClient",
+    "SGLangHTTPError",
+    "decode_routed_experts",
+]

@@ -96,6 +96,10 @@ class ServerSpec:
     """Return log-probs of the *unscaled* logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1 on the server).
     False (SGLang's default): returned log-probs are log softmax(logits / temperature)."""
 
+    return_routed_experts: bool = False
+    """Serve the experts each token was routed to (``--enable-return-routed-experts``; MoE models, for
+    routing replay). Without it SGLang silently ignores ``return_routed_experts`` in requests."""
+
     extra_args: tuple[str, ...] = ()
     """Further ``launch_server`` flags, passed verbatim."""
 
@@ -143,11 +147,13 @@ class ServerSpec:
             cmd += ["--api-key", self.api_key]
         if self.random_seed is not None:
             cmd += ["--random-seed", str(self.random_seed)]
+        if self.return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
         """The environment of the server process."""
-        env = server_env(self.device)
+        env = server_env(self.device, routed_experts=self.return_routed_experts)
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         if self.original_logprobs:

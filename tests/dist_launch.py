@@ -29,9 +29,13 @@ def _free_port() -> int:
 
 
 def launch(
-    scenario: str, world_size: int, args: dict[str, Any] | None = None, timeout: float = 600
+    scenario: str,
+    world_size: int,
+    args: dict[str, Any] | None = None,
+    timeout: float = 600,
+    worker: Path = WORKER,
 ) -> list[Any]:
-    """Run ``scenario`` on ``world_size`` gloo ranks; return each rank's result object."""
+    """Run ``scenario`` of ``worker`` on ``world_size`` gloo ranks; return each rank's result object."""
     with tempfile.TemporaryDirectory(prefix=f"mcore_{scenario}_") as out:
         port = _free_port()
         procs = []
@@ -50,7 +54,7 @@ def launch(
             )
             log = open(Path(out) / f"log_{rank}.txt", "w+")  # noqa: SIM115 - closed below
             logs.append(log)
-            cmd = [sys.executable, str(WORKER), scenario, json.dumps(args or {}), out]
+            cmd = [sys.executable, str(worker), scenario, json.dumps(args or {}), out]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         deadline = time.monotonic() + timeout
         failed = None

@@ -101,7 +101,7 @@ def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     assert rc == 0
     report = (tmp_path / "report" / "REPORT.md").read_text()
     assert "| smoke_bf16 |" in report and "| smoke_stress_acrl |" in report
-    assert "ACRL >= BF16 rollout" in report and "Wall time" in report
+    assert "ACRL >= BF16 rollout" in report and "Wall time of the grid invocation" in report
     assert (tmp_path / "report" / "smoke_reward_mean.png").stat().st_size > 1000
     assert "![smoke_reward_mean](smoke_reward_mean.png)" in report
     assert (tmp_path / "report" / "smoke_mismatch_k3_kl.png").exists()

@@ -286,6 +286,19 @@ def apply() -> bool:
     mappings._gather_along_first_dim = _gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
+    # P11 activation recompute (training.activation_recompute; MoE routing replay's REPLAY_BACKWARD):
+    #     tensor_parallel/random.py CheckpointFunction.backward re-runs the layer's forward inside
+    #     autograd's backward, where the P4 mode is not active (torch function modes are not carried
+    #     into the backward pass), so transformer/utils.py:35 builds its causal mask on "cuda".
+    #     Re-enter the mode around the recompute.
+    original_ckpt_backward = mrandom.CheckpointFunction.backward
+
+    def _ckpt_backward(ctx: Any, *grads: Any) -> Any:
+        with _CudaLiteralsToCpu():
+            return original_ckpt_backward(ctx, *grads)
+
+    mrandom.CheckpointFunction.backward = staticmethod(_ckpt_backward)  # type: ignore[method-assign]
+
     # P4 (see _CudaLiteralsToCpu): entered for the rest of the process on this thread.
     _CudaLiteralsToCpu().__enter__()
 

@@ -61,7 +61,9 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> TransformerConfig:
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, *, recompute: str = "none"
+) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``model`` under ``parallel``.
 
     Loss scaling is owned by ``loss_adapter`` (``calculate_per_token_loss`` stays False there; see it).
@@ -69,6 +71,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
     bf16 = model.params_dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     on_cpu = not torch.cuda.is_available()
+    ``recompute="full"`` checkpoints every transformer layer (``training.activation_recompute``).
     kwargs: dict = {}
     if model.is_moe:
         kwargs.update(
@@ -90,7 +93,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig) -> Transfor
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
+            # Routers get a RouterReplay: the policy drives it for routing replay (R3/R2) and to
+            # observe its own routing (routing_replay.py); without an action it routes as usual.
+            moe_enable_routing_replay=True,
         ffn_hidden_size=model.ffn_hidden_size,
+    if recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         kv_channels=model.kv_channels,

@@ -68,6 +68,11 @@ TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advant
 
 def initialize_parallel(parallel: ParallelConfig, seed: int) -> None:
     """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNG.
+from megatron_acrl.megatron.routing_replay import (  # noqa: E402
+    RoutingReplay,
+    routing_mismatch_metrics,
+    routing_mismatch_sums,
+)
 
     ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU). Call
     ``parallel_state.destroy_model_parallel()`` before re-initialising with another layout.
@@ -120,6 +125,9 @@ class MegatronModel:
     ) -> None:
         self.cfg = cfg
         self.pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    routing: RoutingReplay | None = None
+    """MoE routing replay / observation of this model's routers (the policy's; None elsewhere)."""
+
         pg = self.pg
         self.tp_size, self.pp_size, self.dp_size = pg.tp.size(), pg.pp.size(), pg.dp.size()
         self.pp_rank, self.dp_rank = pg.pp.rank(), pg.dp.rank()
@@ -128,7 +136,7 @@ class MegatronModel:
         self.info = convert.ArchInfo.from_model_config(cfg.model)
         self.padded_vocab = padded_vocab_size(cfg.model.vocab_size, self.tp_size)
 
-        self.config = transformer_config(cfg.model, cfg.parallel)
+        self.config = transformer_config(cfg.model, cfg.parallel, recompute=cfg.training.activation_recompute)
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -216,7 +224,9 @@ class MegatronModel:
                 if k not in batch:
                     continue
                 v = batch[k][start : start + mbs]
-                if padded != length:  # pad tokens/masks/log-probs with zeros: masked, never scored
+                if padded != length and v.dim() > 2:  # [b, L, layers, k] routing: -1 = unknown
+                    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, padded - length), value=-1)
+                elif padded != length:  # pad tokens/masks/log-probs with zeros: masked, never scored
                     v = torch.nn.functional.pad(v, (0, padded - length))
                 mb[k] = v.contiguous()
             mb["position_ids"] = (
@@ -246,9 +256,15 @@ class MegatronModel:
         iters = [iter(micro) for _ in model]  # every virtual stage walks the same micro-batches
         kwargs: dict[str, Any] = {}
         if self.pp_size > 1:
+        routing = self.routing if model is self.model else None  # MoE routing replay (policy only)
+
             kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.pg.pp, config=self.config)
         return get_forward_backward_func(self.pp_size, self.cfg.parallel.vpp)(
+            if routing is not None:
+                routing.before_forward(chunk, mb)
             forward_step_func=forward_step,
+            if routing is not None:  # a recompute of this forward pops the same indices (FIFO)
+                routing.after_forward(chunk)
             data_iterator=iters if len(model) > 1 else iters[0],
             model=model,
             num_microbatches=len(micro),
@@ -281,7 +297,7 @@ class MegatronModel:
         broadcast over the pipeline group."""
         for chunk in model:
             chunk.eval()
-        micro = self._micro_batches(batch, ("tokens",))
+        micro = self._micro_batches(batch, ("tokens", "replay_experts"))
         out = self._run_schedule(model, micro, collect_for, True, True)
         length = batch["tokens"].shape[1]
         result: dict[str, torch.Tensor] | None = None
@@ -589,8 +605,9 @@ class Trainer(MegatronModel):
                 raise RuntimeError("no reference model: set algorithm.kl_coef > 0")
             model = self.ref_model
         keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-        return self._forward_only(
-            model, batch, lambda mb: self.adapter.forward_only_func(mb, with_entropy), keys
+        routing = None if reference else self.routing
+        observe = routing is not None and (
+            "routed_experts" in batch or self.cfg.model.moe_routing_replay == "train"
         )
 
     # ----------------------------------------------------------------------------------------
@@ -647,7 +664,10 @@ class Trainer(MegatronModel):
         mask = batch["loss_mask"].float()
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum().float()
-        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs",))
+        source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
+        if source is not None:
+            batch = dict(batch, replay_experts=source)
+        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
         loss_func_for = partial(
             self.adapter.train_loss_func,
             acrl=signal,
@@ -655,8 +675,83 @@ class Trainer(MegatronModel):
             num_seqs=num_seqs,
             num_microbatches=len(micro),
             dp_size=self.dp_size,
+        self._own_routing: torch.Tensor | None = None  # [N, L, local MoE layers, k], last pi_old pass
+        self._applied_routing: torch.Tensor | None = None  # what those routers used (after replay)
+        if cfg.model.is_moe:
+            self.routing = RoutingReplay(
+                self.model, sequence_parallel=self.config.sequence_parallel, tp_group=self.pg.tp
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # MoE routing replay (R3: the rollout's experts; R2: the pi_old pass's own)
+    # ----------------------------------------------------------------------------------------
+
+    def _replay_source(self, batch: Mapping[str, torch.Tensor], training: bool) -> torch.Tensor | None:
+        """``[N, L, local MoE layers, k]`` indices to replay in this pass (None: route freely)."""
+        mode = self.cfg.model.moe_routing_replay
+        if self.routing is None or mode == "off":
+            return None
+        if mode == "rollout":
+            experts = batch.get("routed_experts")
+            if experts is None:
+                raise KeyError(
+                    "model.moe_routing_replay=rollout needs the rollout's routed_experts in the batch "
+                    "(SGLang with return_routed_experts, or replayed rollouts recorded with them)"
+                )
+            if experts.dim() != 4 or experts.shape[2] != self.cfg.model.num_layers:
+                raise ValueError(
+                    f"routed_experts must be [N, L, num_layers={self.cfg.model.num_layers}, top_k], "
+                    f"got {tuple(experts.shape)}"
+                )
+            return experts[:, :, self.routing.layers]
+        if not training:
+            return None  # R2: the pi_old pass routes freely and records
+        recorded = batch.get("recorded_experts")
+        if recorded is None:
+            raise KeyError(
+                "model.moe_routing_replay=train replays the pi_old pass's routing: put "
+                "forward_logprobs(batch)['recorded_experts'] into the train batch"
+            )
+        return recorded
+
+    def routing_metrics(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Trainer-vs-rollout routing mismatch of the last pi_old pass (all ranks call it).
+
+        Needs ``routed_experts [N, L, layers, k]``, ``old_logprobs``, ``rollout_logprobs`` and
+        ``loss_mask`` of the batch :meth:`forward_logprobs` just ran on; {} for dense models or
+        batches without routed experts. The trainer's side is its own choice *before* replay.
+        Per-layer sums of each stage are summed over the pipeline group (explicitly); within a stage
+        every rank already holds the whole batch (:meth:`RoutingReplay.assemble`).
+        """
+        if self.routing is None or self._own_routing is None or "routed_experts" not in batch:
+            return {}
+        assert self._applied_routing is not None
+        rollout = batch["routed_experts"][:, :, self.routing.layers]
+        lps = (batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"])
+        n_layers = self.cfg.model.num_layers
+        out: dict[str, float] = {}
+        # Before replay (the router's own choice), then what the routers actually used.
+        for own, suffix in ((self._own_routing, ""), (self._applied_routing, "_applied")):
+            sums_local, flips = routing_mismatch_sums(own, rollout, *lps)
+            sums = torch.zeros(n_layers, sums_local.shape[1], dtype=torch.float64)
+            sums[self.routing.layers] = sums_local
+            if self.pp_size > 1:
+                dist.all_reduce(sums, group=self.pg.pp)
+                dist.all_reduce(flips, group=self.pg.pp)
+            m = routing_mismatch_metrics(sums, flips, *lps, range(n_layers))
+            if suffix:
+                out["routing/disagree_frac_applied"] = m["routing/disagree_frac"]
+            else:
+                out.update(m)
+        return out
         )
-        metrics = self._optimizer_step(micro, loss_func_for)
+        if self.routing is not None:
+            self.routing.begin(replay=source is not None, observe=False)
+        try:
+            metrics = self._optimizer_step(micro, loss_func_for)
+        finally:
+            if self.routing is not None:
+                self.routing.end()
         if self.controller is not None:
             metrics.update(self.controller.metrics())
         return metrics
@@ -672,6 +767,11 @@ class Trainer(MegatronModel):
         """
         from safetensors.torch import save_file
 
+            With ``model.moe_routing_replay=train`` (R2) also ``recorded_experts [N, L, this stage's
+            MoE layers, k]`` int16: the routing of this pass, which :meth:`train_step` replays.
+
+        MoE: with ``moe_routing_replay=rollout`` (R3) the policy replays ``batch["routed_experts"]``;
+        the routers' own choices are observed for :meth:`routing_metrics` (and recorded for R2).
         out = Path(directory)
         rank0 = dist.get_rank() == 0
         if rank0:
@@ -682,6 +782,35 @@ class Trainer(MegatronModel):
 
         def flush() -> None:
             nonlocal shard, size, files
+        source = None if routing is None else self._replay_source(batch, training=False)
+        if source is not None:
+            batch = dict(batch, replay_experts=source)
+        if routing is not None:
+            routing.begin(replay=source is not None, observe=observe)
+        try:
+            out = self._forward_only(
+                model, batch, lambda mb: self.adapter.forward_only_func(mb, with_entropy), keys
+            )
+        finally:
+            observed, applied = routing.end() if routing is not None else (None, None)
+        if routing is None:
+            return out
+        self._own_routing = self._applied_routing = None
+        if observe and len(routing):
+            n, length = batch["tokens"].shape
+            mult = self._seq_multiple()
+            shape = dict(
+                num_seqs=n,
+                seq_len=length,
+                padded_len=-(-length // mult) * mult,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                dp_group=self.pg.dp,
+            )
+            self._own_routing = routing.assemble(observed, **shape)
+            self._applied_routing = routing.assemble(applied, **shape)
+            if self.cfg.model.moe_routing_replay == "train":
+                out = dict(out, recorded_experts=self._own_routing)
+        return out
             if shard:
                 name = f"model-{files:05d}.safetensors"
                 save_file(shard, str(out / name), metadata={"format": "pt"})

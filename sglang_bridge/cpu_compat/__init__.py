@@ -13,8 +13,9 @@ Done once at install time by ``scripts/post_install.py`` (not here): the torchvi
 ``_meta_registrations.py`` guard, without which ``import torchvision`` (and so SGLang) fails on the
 CPU torch.
 
-Not yet here (a later issue): the R3 routed-experts host-buffer allocator hook, which will be another
-module under ``stand_ins/`` loaded only when routing replay is requested.
+4. Only for servers that return routed experts (R3, ``--enable-return-routed-experts``): the
+   ``r3_hook/sitecustomize.py`` import hook on ``PYTHONPATH``, which gives SGLang's routed-experts host
+   buffer a plain CPU allocator (SGLang would pin it with ``cudaHostRegister`` and die at start-up).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from pathlib import Path
 
 STAND_IN_DIR: Path = Path(__file__).resolve().parent / "stand_ins"
 """Directory holding the ``sgl_kernel`` stand-in package; prepended to the server's PYTHONPATH."""
+
+R3_HOOK_DIR: Path = Path(__file__).resolve().parent / "r3_hook"
+"""Directory holding the routed-experts allocator hook (``sitecustomize.py``); on the PYTHONPATH of CPU
+servers started with ``--enable-return-routed-experts`` only."""
 
 CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
 """Variables SGLang itself requires to run its CPU engine."""
@@ -48,11 +53,14 @@ LAUNCHER_VARS = frozenset(
 """torch.distributed launcher variables that must not leak into a server's environment."""
 
 
-def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(
+    device: str, base: Mapping[str, str] | None = None, *, routed_experts: bool = False
+) -> dict[str, str]:
     """Environment for an SGLang server child process on ``device`` ("cpu" or "cuda").
 
     Starts from ``base`` (default: this process's environment). For ``cpu`` it adds the variables
-    above and the stand-in directory; for ``cuda`` it leaves SGLang's real kernels alone.
+    above and the stand-in directory (and, with ``routed_experts``, the R3 allocator hook); for
+    ``cuda`` it leaves SGLang's real kernels alone.
     """
     env = dict(os.environ if base is None else base)
     # A server started from a torchrun/srun rank would otherwise inherit the trainer's rendezvous
@@ -65,8 +73,9 @@ def server_env(device: str, base: Mapping[str, str] | None = None) -> dict[str, 
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
         old = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = str(STAND_IN_DIR) + (os.pathsep + old if old else "")
+        dirs = [str(R3_HOOK_DIR)] if routed_experts else []
+        env["PYTHONPATH"] = os.pathsep.join([*dirs, str(STAND_IN_DIR)] + ([old] if old else []))
     return env
 
 
-__all__ = ["CPU_SERVER_ENV", "LAUNCHER_VARS", "STAND_IN_DIR", "server_env"]
+__all__ = ["CPU_SERVER_ENV", "LAUNCHER_VARS", "R3_HOOK_DIR", "STAND_IN_DIR", "server_env"]
