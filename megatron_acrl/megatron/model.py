@@ -52,12 +52,16 @@ def use_transformer_engine() -> bool:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Vocab rows allocated in Megatron: a multiple of ``divisible_by * tp`` (Megatron-LM's rule).
+    """Vocab rows allocated in Megatron: a multiple of ``lcm(divisible_by, tp)``.
 
-    The padded rows are never targets; the fused log-prob masks their logits to -inf so the
+    Not Megatron-LM's ``divisible_by * tp``: that makes the embedding's global shape depend on TP,
+    and a distributed checkpoint could then not be loaded under another TP size (the global shapes
+    of the embedding, output layer and their optimizer state must match). With the lcm the padding
+    is the same for every TP that divides ``divisible_by`` (1, 2, 4, 8, ...), and still a multiple
+    of TP. The padded rows are never targets; the fused log-prob masks their logits to -inf so the
     distribution equals the HF/SGLang one over ``vocab_size`` entries, whatever the TP size.
     """
-    multiple = divisible_by * tp
+    multiple = math.lcm(divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
@@ -67,11 +71,11 @@ def transformer_config(
     """Megatron ``TransformerConfig`` for ``model`` under ``parallel``.
 
     Loss scaling is owned by ``loss_adapter`` (``calculate_per_token_loss`` stays False there; see it).
+    ``recompute="full"`` checkpoints every transformer layer (``training.activation_recompute``).
     """
     bf16 = model.params_dtype == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     on_cpu = not torch.cuda.is_available()
-    ``recompute="full"`` checkpoints every transformer layer (``training.activation_recompute``).
     kwargs: dict = {}
     if model.is_moe:
         kwargs.update(
@@ -89,16 +93,16 @@ def transformer_config(
             moe_grouped_gemm=use_transformer_engine(),
             # Router in fp32 so routing decisions do not flip with the activation dtype.
             moe_router_dtype="fp32",
-        )
-    return TransformerConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
             # Routers get a RouterReplay: the policy drives it for routing replay (R3/R2) and to
             # observe its own routing (routing_replay.py); without an action it routes as usual.
             moe_enable_routing_replay=True,
-        ffn_hidden_size=model.ffn_hidden_size,
+        )
     if recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         kv_channels=model.kv_channels,

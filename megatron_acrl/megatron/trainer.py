@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_acrl.config import Config, ParallelConfig
+from megatron_acrl.config import Config, ConfigError, ParallelConfig
 from megatron_acrl.megatron import cpu_compat
 from megatron_acrl.megatron.model import (
     build_model_chunks,
@@ -38,7 +39,15 @@ from megatron_acrl.megatron.model import (
 
 cpu_compat.apply()
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -59,20 +68,20 @@ from megatron_acrl.correction import (  # noqa: E402
     finalize_metrics,
 )
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn  # noqa: E402
+from megatron_acrl.megatron.routing_replay import (  # noqa: E402
+    RoutingReplay,
+    routing_mismatch_metrics,
+    routing_mismatch_sums,
+)
 from sglang_bridge import convert  # noqa: E402
 
-__all__ = ["MegatronModel", "Trainer", "initialize_parallel"]
+__all__ = ["MegatronModel", "Trainer", "initialize_parallel", "resolve_step_dir", "save_step_atomically"]
 
 TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages")
 
 
 def initialize_parallel(parallel: ParallelConfig, seed: int) -> None:
     """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNG.
-from megatron_acrl.megatron.routing_replay import (  # noqa: E402
-    RoutingReplay,
-    routing_mismatch_metrics,
-    routing_mismatch_sums,
-)
 
     ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU). Call
     ``parallel_state.destroy_model_parallel()`` before re-initialising with another layout.
@@ -116,6 +125,9 @@ class MegatronModel:
             num_minibatches``).
     """
 
+    routing: RoutingReplay | None = None
+    """MoE routing replay / observation of this model's routers (the policy's; None elsewhere)."""
+
     def __init__(
         self,
         cfg: Config,
@@ -125,9 +137,6 @@ class MegatronModel:
     ) -> None:
         self.cfg = cfg
         self.pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-    routing: RoutingReplay | None = None
-    """MoE routing replay / observation of this model's routers (the policy's; None elsewhere)."""
-
         pg = self.pg
         self.tp_size, self.pp_size, self.dp_size = pg.tp.size(), pg.pp.size(), pg.dp.size()
         self.pp_rank, self.dp_rank = pg.pp.rank(), pg.dp.rank()
@@ -247,24 +256,24 @@ class MegatronModel:
         # [b, s, V/tp] tensor); the fused log-prob casts chunk by chunk.
         extra = {"fp32_output": False} if self.config.bf16 else {}
 
+        routing = self.routing if model is self.model else None  # MoE routing replay (policy only)
+
         def forward_step(data_iterator: Iterator[dict], chunk: torch.nn.Module):
             mb = next(data_iterator)
+            if routing is not None:
+                routing.before_forward(chunk, mb)
             out = chunk(mb["tokens"], mb["position_ids"], None, **extra)
+            if routing is not None:  # a recompute of this forward pops the same indices (FIFO)
+                routing.after_forward(chunk)
             return out, loss_func_for(mb)
 
         seq_len = micro[0]["tokens"].shape[1]
         iters = [iter(micro) for _ in model]  # every virtual stage walks the same micro-batches
         kwargs: dict[str, Any] = {}
         if self.pp_size > 1:
-        routing = self.routing if model is self.model else None  # MoE routing replay (policy only)
-
             kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.pg.pp, config=self.config)
         return get_forward_backward_func(self.pp_size, self.cfg.parallel.vpp)(
-            if routing is not None:
-                routing.before_forward(chunk, mb)
             forward_step_func=forward_step,
-            if routing is not None:  # a recompute of this forward pops the same indices (FIFO)
-                routing.after_forward(chunk)
             data_iterator=iters if len(model) > 1 else iters[0],
             model=model,
             num_microbatches=len(micro),
@@ -465,37 +474,92 @@ class MegatronModel:
                 param.copy_(full)
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints (per rank; resume with the same layout)
+    # Checkpoints: Megatron distributed checkpoints (torch_dist), reshardable over TP/PP/EP/DP
     # ----------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's training state: model shards, optimizer, LR schedule, step, layout."""
-        opt_param_state = [
-            o.get_parameter_state_dp_reshardable()
-            for o in _leaf_optimizers(self.optimizer)
-            if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
+    ckpt_kind = "policy"
+    """Subdirectory of a step directory holding this model's distributed checkpoint."""
+
+    def _sharded_metadata(self) -> dict[str, Any]:
+        """Metadata steering ``sharded_state_dict`` of the model and the optimizer."""
         return {
-            "model": [unwrap(c).state_dict() for c in self.model],
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_param_state": opt_param_state,
+            # The distributed optimizer's state in the canonical per-parameter layout (gathered
+            # over DP on save, sliced on load), so it reshards over TP, PP, EP and DP like the
+            # weights. 'dp_reshardable' would be fully parallel but tied to this TP x PP layout.
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "chained_optim_avoid_prefix": True,
+            "singleton_local_shards": False,
+            "dp_cp_group": self.pg.dp_cp,
+        }
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """This rank's training state for ``dist_checkpointing``: ShardedTensors of the model
+        chunks (global names and offsets, so any layout can read them) and of the optimizer state;
+        the LR schedule, step and :meth:`_checkpoint_meta` are common state (written by rank 0)."""
+        meta = self._sharded_metadata()
+        # Chunk keys are only containers: tensors are matched by their global ShardedTensor keys
+        # (layer numbers with the pipeline offset applied), so VPP <-> no-VPP loads work too.
+        model = {f"chunk{i}": self._chunk_sharded_state_dict(c, meta) for i, c in enumerate(self.model)}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=meta),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "acrl_meta": self._checkpoint_meta(),
+        }
+
+    def _chunk_sharded_state_dict(self, chunk: torch.nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
+        """One model chunk's sharded state dict (subclasses with another head adapt it)."""
+        return unwrap(chunk).sharded_state_dict(metadata=meta)
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be loadable: the tensors' global shapes and dtypes
+        (model fields), the optimizer format and the model kind; the layout is informational."""
+        m = self.cfg.model
+        return {
+            "kind": self.ckpt_kind,
+            "model": {k: getattr(m, k) for k in _CHECKPOINT_MODEL_FIELDS},
+            "distributed_optimizer": self.cfg.parallel.distributed_optimizer,
+            # Megatron chains a second optimizer for expert-parallel parameters; the optimizer's
+            # common state is one entry per chained optimizer, so the count must not change.
+            "optimizers": len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])),
             "layout": self._layout(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same parallel layout)."""
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint layout {state['layout']} != this run's {self._layout()}")
-        for chunk, sd in zip(self.model, state["model"], strict=True):
-            unwrap(chunk).load_state_dict(sd)
+    def save_dist(self, path: str | os.PathLike) -> None:
+        """Write this model's distributed checkpoint into ``path`` (all ranks call it).
+
+        ``torch_dist`` backend (``torch.distributed.checkpoint`` files, fsynced); replicated shards
+        are spread over the DP ranks (fully parallel save), each shard is written once.
+        """
+        path = Path(path)
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy(CHECKPOINT_BACKEND), self.pg.dp_cp
+        )
+        dist_checkpointing.save(self.sharded_state_dict(), str(path), strategy)
+
+    def load_dist(self, path: str | os.PathLike) -> None:
+        """Load a distributed checkpoint written by :meth:`save_dist` under any TP/PP/VPP/EP/DP layout.
+
+        Raises ConfigError naming every mismatched model field when the checkpoint belongs to
+        another model (before any tensor is read, instead of a shape error deep in the loader).
+        """
+        path = Path(path)
+        self._check_compatible(path)
+        strategy = FullyParallelLoadStrategyWrapper(
+            get_default_load_sharded_strategy(str(path)), self.pg.dp_cp
+        )
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(path), strategy)
+        for i, chunk in enumerate(self.model):
+            missing, unexpected = unwrap(chunk).load_state_dict(state["model"][f"chunk{i}"], strict=False)
+            # Only Megatron's (empty, local-spec) ``_extra_state`` entries may be absent.
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"{path}: chunk {i} missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
-        leaves = [
-            o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
-        for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
-            o.load_parameter_state_from_dp_reshardable(s)
         # No reload_model_params() here: the bf16 optimizer's load_state_dict has just restored the
         # fp32 main params, and copying the bf16 model params over them would round them to bf16
         # (a resumed bf16 run then drifts from the uninterrupted one); fp32 models have no copy.
@@ -503,29 +567,55 @@ class MegatronModel:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
 
-    def _save_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> Path:
-        """Write this rank's :meth:`state_dict` to ``directory/step_<n>/<prefix>rank_<r>.pt`` (n is
-        ``step`` or this model's own step; all ranks call it; returns after a barrier)."""
-        path = Path(directory) / f"step_{self.step if step is None else step:08d}"
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), path / f"{prefix}rank_{dist.get_rank():05d}.pt")
-        dist.barrier()
-        return path
+    def _check_compatible(self, path: Path) -> None:
+        if not (path / "metadata.json").exists():
+            raise FileNotFoundError(
+                f"{path} is not a distributed checkpoint (no metadata.json): the step directory is "
+                f"incomplete or has no {self.ckpt_kind} state (a PPO critic needs a checkpoint of a PPO run)"
+            )
+        saved = dist_checkpointing.load_common_state_dict(str(path)).get("acrl_meta")
+        if saved is None:
+            raise ConfigError([("training.checkpoint_dir", f"{path} was not written by megatron-acrl")])
+        mine = self._checkpoint_meta()
+        hint = (
+            "set it to the checkpoint's value to resume, or point training.checkpoint_dir at a new "
+            "directory (or set training.resume=false) to start fresh"
+        )
+        errors = [
+            (f"model.{k}", f"checkpoint {path} has {saved['model'].get(k)!r}, this run {v!r}; {hint}")
+            for k, v in mine["model"].items()
+            if saved["model"].get(k) != v
+        ]
+        if saved["distributed_optimizer"] != mine["distributed_optimizer"]:
+            errors.append(
+                (
+                    "parallel.distributed_optimizer",
+                    f"checkpoint {path} has {saved['distributed_optimizer']}, this run "
+                    f"{mine['distributed_optimizer']} (optimizer state formats differ); {hint}",
+                )
+            )
+        if saved.get("optimizers", mine["optimizers"]) != mine["optimizers"]:
+            errors.append(
+                (
+                    "parallel.ep",
+                    f"checkpoint {path} was written with {saved['optimizers']} chained optimizer(s) "
+                    f"(layout {saved['layout']}), this run has {mine['optimizers']}: Megatron gives "
+                    "expert parameters their own optimizer only under expert parallelism, so EP=1 and "
+                    "EP>1 checkpoints do not exchange optimizer state; keep parallel.ep on the same side "
+                    "of 1, or export the weights (--export-hf) and start from them with model.hf_path",
+                )
+            )
+        if saved["kind"] != mine["kind"]:
+            errors.append(("", f"{path} holds a {saved['kind']} model, not a {mine['kind']}"))
+        if errors:
+            raise ConfigError(errors)
 
-    def _load_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> bool:
-        """Load ``<prefix>rank_<r>.pt`` of ``step_<step>`` or, with ``step=None``, of the directory
-        ``latest.json`` names (False when there is none)."""
-        if step is None:
-            latest = Path(directory) / "latest.json"
-            if not latest.exists():
-                return False
-            sub = json.loads(latest.read_text())["dir"]
-        else:
-            sub = f"step_{step:08d}"
-        path = Path(directory) / sub / f"{prefix}rank_{dist.get_rank():05d}.pt"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: checkpoint {sub} is incomplete or lacks this model")
-        self.load_state_dict(torch.load(path, weights_only=False))
+    def _load_latest(self, directory: str | os.PathLike, step: int | None) -> bool:
+        """Load ``<step dir>/<ckpt_kind>`` of ``step`` or of the one ``latest.json`` names."""
+        found = resolve_step_dir(directory, step)
+        if found is None:
+            return False
+        self.load_dist(found / self.ckpt_kind)
         return True
 
     def _layout(self) -> dict[str, Any]:
@@ -581,100 +671,6 @@ class Trainer(MegatronModel):
             loss_fn=loss_fn,
         )
         self.controller = AcrlController(cfg.correction) if cfg.correction.method == "acrl" else None
-
-    # ----------------------------------------------------------------------------------------
-    # Forward-only log-probs (pi_old, reference)
-    # ----------------------------------------------------------------------------------------
-
-    def forward_logprobs(
-        self, batch: Mapping[str, torch.Tensor], *, reference: bool = False, with_entropy: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """Per-token log-probs of ``batch["tokens"]`` under the current policy (or the reference model).
-
-        Args:
-            batch: at least ``tokens [N, L]`` int64 (the whole rollout batch, on every rank).
-            reference: use the frozen reference model (needs ``algorithm.kl_coef > 0``).
-            with_entropy: also return token entropies.
-        Returns:
-            ``{"logprobs": [N, L] float32, "entropy": [N, L] (if asked)}`` on every rank; position 0
-            holds 0 (padding positions hold the model's numbers and must be masked by the caller).
-        """
-        model = self.model
-        if reference:
-            if self.ref_model is None:
-                raise RuntimeError("no reference model: set algorithm.kl_coef > 0")
-            model = self.ref_model
-        keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-        routing = None if reference else self.routing
-        observe = routing is not None and (
-            "routed_experts" in batch or self.cfg.model.moe_routing_replay == "train"
-        )
-
-    # ----------------------------------------------------------------------------------------
-    # ACRL controller
-    # ----------------------------------------------------------------------------------------
-
-    def update_controller(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Observe one rollout batch (call once, before its first optimizer step).
-
-        Statistics of this DP rank's sequences are all-reduced (SUM) over DP on the last stage,
-        the controller is updated there and its state broadcast over the pipeline group.
-        Returns the controller's metrics (empty when the method is not acrl).
-        """
-        if self.controller is None:
-            return {}
-        state = None
-        if self.is_last_stage:
-            n = batch["tokens"].shape[0]
-            per_rank = n // self.dp_size
-            sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
-            stats = acrl_discrepancy_stats(
-                batch["old_logprobs"][sl].float(),
-                batch["rollout_logprobs"][sl].float(),
-                batch["loss_mask"][sl],
-                self.cfg.correction.distance,
-            )
-            dist.all_reduce(stats, group=self.pg.dp)
-            self.controller.update(stats)
-            state = self.controller.state_dict()
-        state = self._broadcast_from_last_stage(state)
-        self.controller.load_state_dict(state)
-        return self.controller.metrics()
-
-    # ----------------------------------------------------------------------------------------
-    # One optimizer step
-    # ----------------------------------------------------------------------------------------
-
-    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on ``batch`` (the minibatch; every rank holds all of it).
-
-        Args:
-            batch: ``tokens, loss_mask, old_logprobs, rollout_logprobs, advantages`` (+ optional
-                ``ref_logprobs``), all ``[N, L]``.
-        Returns:
-            Final metrics (same on every rank): the loss function's, plus ``grad_norm``, ``lr``,
-            ``update_successful`` and the controller's ``acrl/*``.
-        """
-        missing = [k for k in TRAIN_KEYS if k not in batch]
-        if missing:
-            raise KeyError(f"train batch is missing {missing}")
-        signal = None
-        if self.controller is not None:
-            signal = self.controller.signal()
-        mask = batch["loss_mask"].float()
-        num_tokens = mask.sum()
-        num_seqs = (mask.sum(-1) > 0).sum().float()
-        source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
-        if source is not None:
-            batch = dict(batch, replay_experts=source)
-        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
-        loss_func_for = partial(
-            self.adapter.train_loss_func,
-            acrl=signal,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            num_microbatches=len(micro),
-            dp_size=self.dp_size,
         self._own_routing: torch.Tensor | None = None  # [N, L, local MoE layers, k], last pi_old pass
         self._applied_routing: torch.Tensor | None = None  # what those routers used (after replay)
         if cfg.model.is_moe:
@@ -744,44 +740,39 @@ class Trainer(MegatronModel):
             else:
                 out.update(m)
         return out
-        )
-        if self.routing is not None:
-            self.routing.begin(replay=source is not None, observe=False)
-        try:
-            metrics = self._optimizer_step(micro, loss_func_for)
-        finally:
-            if self.routing is not None:
-                self.routing.end()
-        if self.controller is not None:
-            metrics.update(self.controller.metrics())
-        return metrics
 
     # ----------------------------------------------------------------------------------------
-    # Weights: HF export and load (the streaming itself lives in MegatronModel)
+    # Forward-only log-probs (pi_old, reference)
     # ----------------------------------------------------------------------------------------
 
-    def save_hf(self, directory: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
-        """Write an HF checkpoint (``config.json`` + safetensors shards) from rank 0; all ranks call it.
+    def forward_logprobs(
+        self, batch: Mapping[str, torch.Tensor], *, reference: bool = False, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-token log-probs of ``batch["tokens"]`` under the current policy (or the reference model).
 
-        Tensors stream through :meth:`hf_weights`; rank 0 holds at most one shard in memory.
-        """
-        from safetensors.torch import save_file
-
+        Args:
+            batch: at least ``tokens [N, L]`` int64 (the whole rollout batch, on every rank).
+            reference: use the frozen reference model (needs ``algorithm.kl_coef > 0``).
+            with_entropy: also return token entropies.
+        Returns:
+            ``{"logprobs": [N, L] float32, "entropy": [N, L] (if asked)}`` on every rank; position 0
+            holds 0 (padding positions hold the model's numbers and must be masked by the caller).
             With ``model.moe_routing_replay=train`` (R2) also ``recorded_experts [N, L, this stage's
             MoE layers, k]`` int16: the routing of this pass, which :meth:`train_step` replays.
 
         MoE: with ``moe_routing_replay=rollout`` (R3) the policy replays ``batch["routed_experts"]``;
         the routers' own choices are observed for :meth:`routing_metrics` (and recorded for R2).
-        out = Path(directory)
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(convert.hf_config(self.cfg.model), indent=2))
-        shard: dict[str, torch.Tensor] = {}
-        size, index, files = 0, {}, 0
-
-        def flush() -> None:
-            nonlocal shard, size, files
+        """
+        model = self.model
+        if reference:
+            if self.ref_model is None:
+                raise RuntimeError("no reference model: set algorithm.kl_coef > 0")
+            model = self.ref_model
+        keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+        routing = None if reference else self.routing
+        observe = routing is not None and (
+            "routed_experts" in batch or self.cfg.model.moe_routing_replay == "train"
+        )
         source = None if routing is None else self._replay_source(batch, training=False)
         if source is not None:
             batch = dict(batch, replay_experts=source)
@@ -811,6 +802,105 @@ class Trainer(MegatronModel):
             if self.cfg.model.moe_routing_replay == "train":
                 out = dict(out, recorded_experts=self._own_routing)
         return out
+
+    # ----------------------------------------------------------------------------------------
+    # ACRL controller
+    # ----------------------------------------------------------------------------------------
+
+    def update_controller(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Observe one rollout batch (call once, before its first optimizer step).
+
+        Statistics of this DP rank's sequences are all-reduced (SUM) over DP on the last stage,
+        the controller is updated there and its state broadcast over the pipeline group.
+        Returns the controller's metrics (empty when the method is not acrl).
+        """
+        if self.controller is None:
+            return {}
+        state = None
+        if self.is_last_stage:
+            n = batch["tokens"].shape[0]
+            per_rank = n // self.dp_size
+            sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+            stats = acrl_discrepancy_stats(
+                batch["old_logprobs"][sl].float(),
+                batch["rollout_logprobs"][sl].float(),
+                batch["loss_mask"][sl],
+                self.cfg.correction.distance,
+            )
+            dist.all_reduce(stats, group=self.pg.dp)
+            self.controller.update(stats)
+            state = self.controller.state_dict()
+        state = self._broadcast_from_last_stage(state)
+        self.controller.load_state_dict(state)
+        return self.controller.metrics()
+
+    # ----------------------------------------------------------------------------------------
+    # One optimizer step
+    # ----------------------------------------------------------------------------------------
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on ``batch`` (the minibatch; every rank holds all of it).
+
+        Args:
+            batch: ``tokens, loss_mask, old_logprobs, rollout_logprobs, advantages`` (+ optional
+                ``ref_logprobs``), all ``[N, L]``.
+        Returns:
+            Final metrics (same on every rank): the loss function's, plus ``grad_norm``, ``lr``,
+            ``update_successful`` and the controller's ``acrl/*``.
+        """
+        missing = [k for k in TRAIN_KEYS if k not in batch]
+        if missing:
+            raise KeyError(f"train batch is missing {missing}")
+        signal = None
+        if self.controller is not None:
+            signal = self.controller.signal()
+        mask = batch["loss_mask"].float()
+        num_tokens = mask.sum()
+        num_seqs = (mask.sum(-1) > 0).sum().float()
+        source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
+        if source is not None:
+            batch = dict(batch, replay_experts=source)
+        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
+        loss_func_for = partial(
+            self.adapter.train_loss_func,
+            acrl=signal,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            num_microbatches=len(micro),
+            dp_size=self.dp_size,
+        )
+        if self.routing is not None:
+            self.routing.begin(replay=source is not None, observe=False)
+        try:
+            metrics = self._optimizer_step(micro, loss_func_for)
+        finally:
+            if self.routing is not None:
+                self.routing.end()
+        if self.controller is not None:
+            metrics.update(self.controller.metrics())
+        return metrics
+
+    # ----------------------------------------------------------------------------------------
+    # Weights: HF export and load (the streaming itself lives in MegatronModel)
+    # ----------------------------------------------------------------------------------------
+
+    def save_hf(self, directory: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> None:
+        """Write an HF checkpoint (``config.json`` + safetensors shards) from rank 0; all ranks call it.
+
+        Tensors stream through :meth:`hf_weights`; rank 0 holds at most one shard in memory.
+        """
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(convert.hf_config(self.cfg.model), indent=2))
+        shard: dict[str, torch.Tensor] = {}
+        size, index, files = 0, {}, 0
+
+        def flush() -> None:
+            nonlocal shard, size, files
             if shard:
                 name = f"model-{files:05d}.safetensors"
                 save_file(shard, str(out / name), metadata={"format": "pt"})
@@ -845,52 +935,159 @@ class Trainer(MegatronModel):
                 q.copy_(p)
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints (per rank; resume with the same layout)
+    # Checkpoints (distributed; see MegatronModel and save_step_atomically)
     # ----------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's full training state: model shards, optimizer, LR schedule, controller, step."""
-        state = super().state_dict()
-        state["ref_model"] = [unwrap(c).state_dict() for c in self.ref_model] if self.ref_model else None
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """:meth:`MegatronModel.sharded_state_dict` plus the ACRL controller (common state: it is
+        identical on every rank). The reference model is not saved: it is the initial weights,
+        reloaded by ``load_hf`` when the run starts."""
+        state = super().sharded_state_dict(is_loading)
         state["controller"] = self.controller.state_dict() if self.controller is not None else None
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same parallel layout)."""
-        super().load_state_dict(state)
-        if self.ref_model is not None and state["ref_model"] is not None:
-            for chunk, sd in zip(self.ref_model, state["ref_model"], strict=True):
-                unwrap(chunk).load_state_dict(sd)
-        if self.controller is not None and state["controller"] is not None:
-            self.controller.load_state_dict(state["controller"])
+    def load_dist(self, path: str | os.PathLike) -> None:
+        """:meth:`MegatronModel.load_dist` plus the controller."""
+        super().load_dist(path)
+        if self.controller is not None:
+            saved = dist_checkpointing.load_common_state_dict(str(path)).get("controller")
+            if saved is not None:
+                self.controller.load_state_dict(saved)
 
-    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """Write this rank's state to ``directory/step_<n>/rank_<r>.pt`` (all ranks call it), then
-        ``latest.json`` -- the commit point, so it must stay the last thing written: other state of the
-        step (the driver's, the critic's) is saved into ``step_<n>/`` before this call.
+    def save_checkpoint(
+        self, directory: str | os.PathLike, also: Sequence[Callable[[Path], None]] = ()
+    ) -> Path:
+        """Write ``directory/step_<n>/policy`` (all ranks call it) and commit the step.
 
-        ``latest.json`` is replaced atomically (a temporary file, fsync, ``os.replace``): a crash
-        mid-write leaves the previous, complete checkpoint as the one that resumes.
+        ``also`` are writers of the step's other state (the driver's, the critic's), called with
+        the temporary step directory before the commit, so one commit covers all of them; see
+        :func:`save_step_atomically`.
         """
-        path = self._save_rank_file(directory, "")
-        if dist.get_rank() == 0:
-            latest = Path(directory) / "latest.json"
-            tmp = latest.with_name(f".latest.json.tmp-{os.getpid()}")
-            with open(tmp, "w") as f:
-                f.write(json.dumps({"step": self.step, "dir": path.name}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, latest)
-        dist.barrier()
-        return path
+        return save_step_atomically(
+            directory, self.step, [lambda d: self.save_dist(d / self.ckpt_kind), *also]
+        )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> bool:
         """Resume from ``directory/latest.json`` if present; returns whether a checkpoint was loaded."""
-        return self._load_rank_file(directory, "")
+        return self._load_latest(directory, None)
 
 
-def _leaf_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+CHECKPOINT_BACKEND = "torch_dist"
+
+_CHECKPOINT_MODEL_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "tie_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_ffn_hidden_size",
+    "params_dtype",
+)
+"""Model fields that fix a checkpointed tensor's global shape or dtype (or its presence)."""
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root``): what rank 0 wrote (common
+    state, metadata, the driver's file) is otherwise only in the page cache; the ``.distcp`` shards
+    were fsynced by their writers already, a second fsync costs nothing."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, step: int, name: str) -> None:
+    latest = root / "latest.json"
+    tmp = root / f".latest.json.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": step, "dir": name}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+    _fsync_dir(root)
+
+
+def save_step_atomically(
+    directory: str | os.PathLike, step: int, writers: Sequence[Callable[[Path], None]]
+) -> Path:
+    """Write a checkpoint of ``step`` so that a crash at any point leaves the last good one loadable.
+
+    Every rank calls it. The writers fill ``directory/.tmp-step_<n>/`` (each is called on every
+    rank with that path); then rank 0 fsyncs the tree, renames it to ``step_<n>/`` and replaces
+    ``latest.json`` (temporary file, fsync, ``os.replace``, fsync of the directory): the commit
+    point. A crash before the rename leaves only a ``.tmp-`` directory (removed by the next save);
+    one between the rename and ``latest.json`` leaves an uncommitted ``step_<n>/`` that
+    ``latest.json`` does not name (replaced by the next save of that step). Returns ``step_<n>/``.
+    """
+    root = Path(directory)
+    final, tmp = root / _step_name(step), root / f".tmp-{_step_name(step)}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        if tmp.exists():  # a crashed save of the same step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    for write in writers:
+        write(tmp)
+    dist.barrier()  # every rank's files are complete
+    if rank0:
+        _fsync_tree(tmp)
+        trash = None
+        if final.exists():  # saved before (uncommitted, or committed and now superseded)
+            trash = root / f".trash-{final.name}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.rename(final, trash)  # resolve_step_dir falls back to it until the next rename
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_latest(root, step, final.name)
+        if trash is not None:
+            shutil.rmtree(trash)
+    dist.barrier()
+    return final
+
+
+def resolve_step_dir(directory: str | os.PathLike, step: int | None = None) -> Path | None:
+    """``directory/step_<step>`` or, with ``step=None``, the step directory ``latest.json`` names
+    (None when there is no ``latest.json``: nothing was ever committed there)."""
+    root = Path(directory)
+    if step is None:
+        latest = root / "latest.json"
+        if not latest.exists():
+            return None
+        name = json.loads(latest.read_text())["dir"]
+    else:
+        name = _step_name(step)
+    found = root / name
+    if not found.exists() and (root / f".trash-{name}").exists():
+        return root / f".trash-{name}"  # a crash mid-replacement of the same step (see above)
+    if not found.exists():
+        raise FileNotFoundError(f"{found} is missing: checkpoint {name} was removed or never committed")
+    return found
 
 
 def _hf_getter(source: str | os.PathLike | Mapping[str, torch.Tensor]):  # noqa: ANN202
