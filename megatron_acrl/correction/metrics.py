@@ -116,12 +116,14 @@ class MismatchTensors:
     is a few dozen small ops, and their number, not their size, is what it costs.
 
     Attributes:
-        mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: ``log(mask_f)``.
+        mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: 0 on valid tokens,
+            -inf on padding.
         log_ratio: ``[B, T]`` ``log rho = log pi - log mu``.
         clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
         rho: ``[B, T]`` ``exp(clamped)`` (computed on first use).
         per_token: ``[K, B, T]`` rows named by :attr:`ROWS`.
-        seq_sums: ``[K, B]`` float64 row sums over T.
+        seq_sums: ``[K, B]`` float64 row sums over T (pairwise-summed in the input dtype, except
+            ``log_ratio``'s).
         lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
         valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
     """
@@ -149,11 +151,13 @@ class MismatchTensors:
         torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
         mf.copy_(m)
         # 0 on valid tokens, -inf on padding: x + pad is x masked for a max, x - pad for a min.
-        self.pad = torch.log(mf)
+        self.pad = torch.where(m, zero, _const(-math.inf, dtype, dev))
         self.mask, self.mask_f, self.log_ratio, self.clamped, self._em1 = m, mf, d, dc, em1
         self.per_token = rows
-        # float64 accumulation: exp(2 * sum log rho) (chi2_seq) amplifies any rounding of the sum.
-        self.seq_sums = rows.sum(-1, dtype=torch.float64)
+        self.seq_sums = rows.sum(-1).to(torch.float64)
+        # chi2_seq is exp(2 * sum_t log rho): it amplifies any rounding of that sum, so it alone is
+        # accumulated in float64 (a float64 cast of every row would cost more than all the rest).
+        self.seq_sums[3] = d.sum(-1, dtype=torch.float64)
         self.lens = self.seq_sums[-1]
         self.lens_c = self.lens.clamp_min(1)
         self.valid_f = self.lens.clamp_max(1)
@@ -232,7 +236,7 @@ def mismatch_metrics(
     seq_rows = torch.cat([ppl, means[2:], means[2:].abs()])  # [5, B]; empty sequences drop out below
     seq = torch.mv(seq_rows, sh.valid_f) * _denominator(num_seqs, ss)
     # chi2_seq: log E[(prod rho)^2] = logsumexp_i(2 * sum_t log rho) - log(num_seqs); no overflow.
-    two_s = torch.where(sh.valid, ss[3], _const(-math.inf, f64, dev)).mul_(2.0)
+    two_s = torch.log(sh.valid_f).add_(ss[3], alpha=2.0)  # -inf for empty sequences
     chi2_lse = torch.logsumexp(two_s, dim=0, keepdim=True) - _log_count(num_seqs, ss)
     rows = sh.per_token
     if sh.mask.numel() == 0:
@@ -314,7 +318,10 @@ def _to_floats(values: list[Tensor]) -> list[float]:
 
     Most partials are views into a few flat tensors (``unbind`` of one stacked result); those bases
     are copied once each instead of stacking dozens of scalars (each stack input is a dispatch).
+    On CPU there is no device to synchronise with and reading each scalar is cheapest.
     """
+    if all(v.device.type == "cpu" for v in values):
+        return [v.item() for v in values]
     sources: list[Tensor] = []
     where: dict[int, int] = {}  # id(source) -> index into sources
     place: list[tuple[int, int]] = []  # (source index, element offset) per value

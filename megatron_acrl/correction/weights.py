@@ -114,8 +114,10 @@ def acrl_discrepancy_stats(
         ``[2]`` float64: (sum over valid local sequences of Y_i, number of valid local sequences).
         ``Y = stats[0] / stats[1]`` after the all-reduce over data-parallel ranks.
     """
-    y, valid = sequence_discrepancy(logp, logq, mask, distance, shared=shared)
-    return torch.stack([y.sum(), valid.sum(dtype=torch.float64)])
+    if distance not in _DISTANCE_ROW:
+        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
+    sh = _shared(logp, logq, mask, shared)
+    return torch.stack([sh.seq_mean(_DISTANCE_ROW[distance]), sh.valid_f]).sum(-1)
 
 
 def acrl_alpha(
