@@ -1,18 +1,26 @@
 """Weight-sync throughput of the bridge vs a raw transfer of the same bytes, on the same group, same run.
 
-    python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 3 --bucket-mb 512]
+    python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 7 --bucket-mb 512 --first-bucket-mb 8]
 
 Starts one real SGLang server (CPU: bf16, so FP8 is fake-quant, block 128x128) on a locally built
-model, connects a :class:`DistributedWeightSynchronizer`, and measures, alternating, best of ``reps``:
+model, connects a :class:`DistributedWeightSynchronizer`, and measures, interleaved (the order flips
+every rep), median of ``reps``:
 
-* raw:    the same bytes as one pre-flattened bucket: one ``/update_weights_from_distributed``
-          request + one broadcast on the bridge's group (the least any transfer into the server costs:
-          the server must join the broadcast and load what it received);
-* bridge: ``sync()``: validation against the manifest, FP8 fake-quant, bucketing,
-          pause -> flush -> begin -> buckets -> end -> version -> continue.
+* raw:    the bytes the bridge puts on the wire (checked equal), pre-flattened once outside the
+          timing, as one ``/update_weights_from_distributed`` request + one broadcast on the bridge's
+          group, between the begin/end calls SGLang 0.5.23 requires (without them it answers 400 and
+          never joins the broadcast). The server must join the broadcast and load what it
+          received, so this is the least any transfer into the server costs;
+* bridge: ``sync()`` with the bridge's defaults: validation against the manifest, FP8 fake-quant,
+          bucketing (quantized straight into the send buffers, overlapped with the transfer),
+          pause -> begin -> buckets (the last one flushes the radix cache) -> end -> version ->
+          continue.
 
-Also block-FP8 quantize throughput vs a plain copy of the same bytes. Prints
-``quantize efficiency: <copy time / quantize time>`` and, last, ``sync efficiency: <raw / bridge>``.
+Also block-FP8 quantize throughput (the bridge's real-mode path: e4m3 + scales into preallocated
+outputs) vs a plain copy of the same input bytes, interleaved. Prints the bridge's median breakdown
+(quantize / pack run on the packing thread, overlapped with "wire"; "wait" is the part of them the
+transfer did not hide), then ``quantize efficiency: <copy time / quantize time>`` and, last,
+``sync efficiency: <raw / bridge>``.
 """
 
 from __future__ import annotations
@@ -20,17 +28,28 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
+from statistics import median
 
 import torch
 
 from megatron_acrl.config import ModelConfig
 from megatron_acrl.tiny_model import build_checkpoint
-from sglang_bridge.fp8 import Fp8Scheme, quantize_block, quantize_named_tensors, should_quantize
+from sglang_bridge.fp8 import (
+    FP8_DTYPE,
+    Fp8Scheme,
+    Fp8Workspace,
+    fake_quantize_block_into,
+    quantize_block_into,
+    quantize_named_tensors,
+    should_quantize,
+)
 from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.weight_sync import (
     DistributedWeightSynchronizer,
     Manifest,
+    SyncReport,
     _Bucket,
     broadcast_async,
 )
@@ -60,32 +79,46 @@ def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
         )
     )
     work = broadcast_async(flat.flat, sync.group)
-    while not work.is_completed():  # never wait blindly on a broadcast the server may not join
-        if fut.done() and fut.exception() is not None:
-            raise RuntimeError(f"server refused the raw transfer: {fut.exception()}")
-        time.sleep(0.0005)
-    r = fut.result()
-    sync._run(client.end_weight_update())
-    dt = time.perf_counter() - t0
+    # Waited on exactly like the bridge's buckets: the server's answer first (it comes once the
+    # bytes are received and loaded), then the broadcast handle.
+    r = fut.result(timeout=120)
     assert r.get("success"), r
-    return dt
+    work.wait(timeout=timedelta(seconds=120))
+    sync._run(client.end_weight_update())
+    return time.perf_counter() - t0
 
 
-def bench_quantize(named: dict[str, torch.Tensor], scheme: Fp8Scheme, reps: int) -> tuple[float, float, int]:
+def bench_quantize(
+    named: dict[str, torch.Tensor], scheme: Fp8Scheme, reps: int
+) -> tuple[list[float], list[float], list[float], int]:
+    """Per rep, interleaved: block-FP8 quantize (the bridge's real-mode path: e4m3 + scales written
+    into preallocated outputs), a plain copy of the same input bytes into preallocated outputs, and
+    fake-quant (what a CPU sync runs). Returns (quantize, copy, fake) seconds per rep and the bytes."""
     ws = [t for n, t in named.items() if should_quantize(n, t, scheme)]
     nbytes = sum(t.numel() * t.element_size() for t in ws)
+    bn, bk = scheme.block_size
     dst = [torch.empty_like(t) for t in ws]
-    best_q = best_c = float("inf")
-    for _ in range(reps):
+    q = [torch.empty(t.shape, dtype=FP8_DTYPE) for t in ws]
+    s = [torch.empty(-(-t.shape[0] // bn), -(-t.shape[1] // bk)) for t in ws]
+    work = Fp8Workspace()
+    qs: list[float] = []
+    cs: list[float] = []
+    fs: list[float] = []
+    for _ in range(reps + 1):  # the first round warms caches and the workspace
         t0 = time.perf_counter()
-        for w in ws:
-            quantize_block(w, scheme.block_size, ue8m0=scheme.ue8m0)
-        best_q = min(best_q, time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        for w, qo, so in zip(ws, q, s, strict=True):
+            quantize_block_into(w, qo, so, scheme.block_size, ue8m0=scheme.ue8m0, workspace=work)
+        t1 = time.perf_counter()
         for d, w in zip(dst, ws, strict=True):
             d.copy_(w)
-        best_c = min(best_c, time.perf_counter() - t0)
-    return best_q, best_c, nbytes
+        t2 = time.perf_counter()
+        for d, w in zip(dst, ws, strict=True):
+            fake_quantize_block_into(w, d, scheme.block_size, ue8m0=scheme.ue8m0, workspace=work)
+        t3 = time.perf_counter()
+        qs.append(t1 - t0)
+        cs.append(t2 - t1)
+        fs.append(t3 - t2)
+    return qs[1:], cs[1:], fs[1:], nbytes
 
 
 def main() -> None:
@@ -93,8 +126,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--bucket-mb", type=float, default=512, help="the bridge's largest bucket")
+    ap.add_argument("--first-bucket-mb", type=float, default=8, help="the bridge's first bucket")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit
@@ -113,41 +147,66 @@ def main() -> None:
     named = load_named(ckpt, manifest)
     scheme = Fp8Scheme("block", (128, 128))
 
-    q_t, c_t, q_bytes = bench_quantize(named, scheme, args.reps)
+    qs, cs, fs, q_bytes = bench_quantize(named, scheme, args.reps)
+    q_t, c_t, f_t = median(qs), median(cs), median(fs)
     print(
-        f"block-FP8 quantize: {q_bytes / 1e6:.1f} MB in {q_t:.3f}s ({q_bytes / q_t / 1e9:.2f} GB/s); "
-        f"plain copy {c_t:.3f}s ({q_bytes / c_t / 1e9:.2f} GB/s)"
+        f"block-FP8 quantize: {q_bytes / 1e6:.1f} MB in {q_t:.4f}s ({q_bytes / q_t / 1e9:.2f} GB/s); "
+        f"plain copy {c_t:.4f}s ({q_bytes / c_t / 1e9:.2f} GB/s); "
+        f"fake-quant {f_t:.4f}s ({q_bytes / f_t / 1e9:.2f} GB/s)  [medians of {args.reps}]"
     )
 
     spec = ServerSpec(model_path=str(ckpt), device="cpu")
-    with SGLangServer(spec, work / "sglang.log") as srv:
+    with SGLangServer(spec, work / "sglang.log", startup_timeout_s=900) as srv:  # shared, loaded CPUs
         sync = DistributedWeightSynchronizer(
-            [srv.url], manifest, fp8=scheme, fp8_mode="fake", bucket_size_mb=args.bucket_mb, timeout_s=120
+            [srv.url],
+            manifest,
+            fp8=scheme,
+            fp8_mode="fake",
+            bucket_size_mb=args.bucket_mb,
+            first_bucket_mb=args.first_bucket_mb,
+            timeout_s=120,
         )
         sync.connect()
         try:
-            # The raw path sends exactly the bytes the bridge sends (fake-quant keeps names and dtypes).
+            # The raw path sends exactly the bytes the bridge sends (fake-quant keeps names and dtypes),
+            # pre-flattened once outside the timing.
             sent = list(quantize_named_tensors(named.items(), scheme, mode="fake"))
             nbytes = sum(t.numel() * t.element_size() for _, t in sent)
             flat = _Bucket(sent, torch.empty(nbytes, dtype=torch.uint8))
-            sync.sync(named, version="warmup")
+            warm = sync.sync(named, version="warmup")
+            assert warm.num_bytes == nbytes, (warm.num_bytes, nbytes)  # same bytes on the wire
             raw_transfer(sync, flat)
-            raw_best = bridge_best = float("inf")
+            raws: list[float] = []
+            reports: list[SyncReport] = []
             for i in range(args.reps):
-                raw_best = min(raw_best, raw_transfer(sync, flat))
-                rep = sync.sync(named, version=f"bench-{i}")
-                bridge_best = min(bridge_best, rep.seconds)
+                # Interleaved, and the order flips every rep so neither side always runs second.
+                order = ("raw", "bridge") if i % 2 == 0 else ("bridge", "raw")
+                for which in order:
+                    if which == "raw":
+                        raws.append(raw_transfer(sync, flat))
+                    else:
+                        reports.append(sync.sync(named, version=f"bench-{i}"))
+                rep = reports[-1]
                 print(
-                    f"rep {i}: raw {raw_best:.3f}s, bridge {rep.seconds:.3f}s {rep.num_buckets} buckets "
+                    f"rep {i}: raw {raws[-1]:.3f}s, bridge {rep.seconds:.3f}s {rep.num_buckets} buckets "
                     f"fp8={rep.fp8} " + " ".join(f"{k}={v:.3f}" for k, v in rep.timings.items())
                 )
         finally:
             sync.close()
-    print(f"model: {len(named)} tensors, {nbytes / 1e6:.1f} MB sent per sync, bucket {args.bucket_mb} MiB")
-    print(f"raw transfer: {raw_best:.3f}s ({nbytes / raw_best / 1e9:.2f} GB/s)")
-    print(f"bridge sync:  {bridge_best:.3f}s ({nbytes / bridge_best / 1e9:.2f} GB/s)")
-    print(f"quantize efficiency: {c_t / q_t:.3f}")
-    print(f"sync efficiency: {raw_best / bridge_best:.3f}")
+    raw_t = median(raws)
+    bridge_t = median([r.seconds for r in reports])
+    ratios = [r / b.seconds for r, b in zip(raws, reports, strict=True)]
+    print(
+        f"model: {len(named)} tensors, {nbytes / 1e6:.1f} MB sent per sync, {reports[-1].num_buckets} buckets"
+    )
+    print(f"bridge breakdown (medians of {args.reps}; quantize/pack run on the packing thread, overlapped):")
+    for key in reports[-1].timings:
+        print(f"  {key:<12} {median([r.timings[key] for r in reports]):.4f}s")
+    print(f"raw transfer: {raw_t:.3f}s ({nbytes / raw_t / 1e9:.2f} GB/s)")
+    print(f"bridge sync:  {bridge_t:.3f}s ({nbytes / bridge_t / 1e9:.2f} GB/s)")
+    print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
+    print(f"quantize efficiency: {median([c / q for c, q in zip(cs, qs, strict=True)]):.3f}")
+    print(f"sync efficiency: {raw_t / bridge_t:.3f}")
 
 
 if __name__ == "__main__":

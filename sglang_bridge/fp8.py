@@ -161,6 +161,20 @@ def quantize_block(
     ``w ~= q.float() * scale_inv`` expanded over its ``bn x bk`` block; ``scale_inv = amax / 448``
     (power-of-two rounded up with ``ue8m0``, so no value exceeds 448 after scaling).
     """
+    if not _fast_ok(w, block_size):
+        return _quantize_block_reference(w, block_size, ue8m0=ue8m0)
+    bn, bk = block_size
+    q = torch.empty(w.shape, dtype=FP8_DTYPE)
+    s = torch.empty(w.shape[0] // bn, w.shape[1] // bk, dtype=torch.float32)
+    quantize_block_into(w, q, s, block_size, ue8m0=ue8m0)
+    return q, s
+
+
+def _quantize_block_reference(
+    w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_block` spelled with generic ops (any shape / dtype / device): the reference
+    the fast path is tested against, bit for bit."""
     blocks, n, k = _blocks(w, block_size)
     q, scale = _quantize_blocks(blocks, ue8m0)
     return _unblock(q, n, k), scale.view(blocks.shape[0], blocks.shape[2]).contiguous()
@@ -182,9 +196,165 @@ def fake_quantize_block(
     w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
 ) -> torch.Tensor:
     """``dequantize_block(quantize_block(w))`` in ``w.dtype`` without materialising the expanded scales."""
+    if not _fast_ok(w, block_size):
+        return _fake_quantize_block_reference(w, block_size, ue8m0=ue8m0)
+    return fake_quantize_block_into(
+        w, torch.empty_like(w, memory_format=torch.contiguous_format), block_size, ue8m0=ue8m0
+    )
+
+
+def _fake_quantize_block_reference(
+    w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
+) -> torch.Tensor:
+    """:func:`fake_quantize_block` through the generic fp8 casts: the bit-exact reference."""
     blocks, n, k = _blocks(w, block_size)
     q, scale = _quantize_blocks(blocks, ue8m0)
     return _unblock(q.float().mul_(scale), n, k).to(w.dtype)
+
+
+# -- fast block path ---------------------------------------------------------------------------------
+# The reference functions above spell the format out with generic casts; they are slow on CPU
+# (fp8 -> fp32 runs ~180 M elements/s/core) and allocate five full-size temporaries per weight. The
+# fast path below computes the same numbers bit for bit (tests/bridge/test_fp8.py checks it against
+# the reference on random, zero, subnormal, saturating and NaN inputs) with in-place ops on reusable
+# float32 / int32 work buffers, and writes its result straight into the caller's output (a view
+# into a flat send bucket).
+
+_E4M3_MIN_NORMAL_BITS = 121 << 23  # fp32 exponent field of 2^-6, e4m3's smallest normal
+_E4M3_STEP_SHIFT = 3 << 23  # 3 mantissa bits: the grid step is 2^(exponent - 3)
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_ABS_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF}
+
+
+class Fp8Workspace:
+    """Grow-only float32 / int32 / bit-abs scratch for the fast block quantizers.
+
+    One per thread (the weight-sync packer owns one); reused across tensors and syncs so a steady
+    state allocates nothing."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A contiguous 1-D ``[numel]`` tensor of ``dtype`` (contents undefined)."""
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+
+def _fast_ok(w: torch.Tensor, block_size: tuple[int, int]) -> bool:
+    """The fast path needs whole blocks of a CPU bf16 / fp16 / fp32 matrix (no padding copy)."""
+    return (
+        w.dim() == 2
+        and w.numel() > 0
+        and w.dtype in _INT_OF
+        and w.device.type == "cpu"
+        and w.shape[0] % block_size[0] == 0
+        and w.shape[1] % block_size[1] == 0
+    )
+
+
+def _fast_block_scale(xb: torch.Tensor, ue8m0: bool, ws: Fp8Workspace) -> torch.Tensor:
+    """fp32 ``[nb, 1, kb, 1]`` scales of the block view ``xb [nb, bn, kb, bk]``, equal to the reference's.
+
+    |x| is taken on the bit pattern (clear the sign bit) and the block max on the integers: for
+    non-negative IEEE floats integer order is value order, NaN above inf, so the max (and NaN
+    propagation) is the reference's ``abs().amax()``, with one int16 pass instead of two fp32 copies.
+    """
+    it = _INT_OF[xb.dtype]
+    a = ws.get(it, xb.numel()).view(xb.shape)
+    torch.bitwise_and(xb.view(it), _ABS_MASK[it], out=a)
+    amax = a.amax(dim=(1, 3), keepdim=True).view(xb.dtype).float().clamp_(min=_AMAX_EPS)
+    scale = amax / FP8_MAX
+    return _ue8m0(scale) if ue8m0 else scale
+
+
+def _fast_scaled(xb: torch.Tensor, scale: torch.Tensor, ws: Fp8Workspace, clamp: bool) -> torch.Tensor:
+    """fp32 ``xb / scale`` of ``xb [nb, bn, kb, bk]`` in the workspace (same shape), clamped to
+    ±448 if ``clamp``.
+
+    Copy-then-divide in place: a bf16 -> fp32 copy plus a same-dtype broadcast divide is faster
+    than one mixed-dtype broadcast divide, and it is the same IEEE division as the reference's.
+    The clamp can only act on the one-ulp overshoot ``fl(x / fl(amax / 448))`` may have: |y| is at
+    most 448 + 1 ulp (448.00003), which e4m3 rounding maps to 448 anyway. The real path keeps the
+    clamp in front of the generic fp8 cast, as the reference does; the fake path skips the pass.
+    """
+    y = ws.get(torch.float32, xb.numel()).view(xb.shape)
+    y.copy_(xb)
+    y.div_(scale)
+    return y.clamp_(-FP8_MAX, FP8_MAX) if clamp else y
+
+
+def _round_e4m3_(y: torch.Tensor, ws: Fp8Workspace) -> torch.Tensor:
+    """Round fp32 ``y`` (``|y| <= 448`` + 1 ulp, or NaN) in place to an integral ``k``, ``y ~= k * step``;
+    returns ``step`` (fp32, same shape, in the workspace) so that ``k * step`` is the e4m3 value.
+
+    e4m3 keeps 3 mantissa bits, so the grid step is 2^(e-3) for ``|y|`` in [2^e, 2^(e+1)), and the
+    fixed 2^-9 in the subnormal range below 2^-6: the step's bit pattern is y's exponent field
+    clamped below at 2^-6, minus 3. ``y / step`` is exact (power of two), ``round`` is
+    round-half-to-even like the fp8 cast, keeps the sign of zero and propagates NaN - so ``k * step``
+    is exactly ``y.to(float8_e4m3fn).float()``, without the slow scalar casts.
+    """
+    step = ws.get(torch.int32, y.numel()).view(y.shape)
+    torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=step)
+    step.clamp_(min=_E4M3_MIN_NORMAL_BITS).sub_(_E4M3_STEP_SHIFT)
+    stepf = step.view(torch.float32)
+    y.div_(stepf).round_()
+    return stepf
+
+
+def fake_quantize_block_into(
+    w: torch.Tensor,
+    out: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    ue8m0: bool = False,
+    workspace: Fp8Workspace | None = None,
+) -> torch.Tensor:
+    """Write ``fake_quantize_block(w)`` (``[N, K]``, ``w.dtype``) into ``out`` (contiguous ``[N, K]`` of
+    ``w.dtype``, e.g. a view into a send bucket); returns ``out``. Bit-identical to the reference."""
+    if not _fast_ok(w, block_size):  # ragged blocks / other dtypes: rare, take the reference path
+        return out.copy_(_fake_quantize_block_reference(w, block_size, ue8m0=ue8m0))
+    ws = workspace or Fp8Workspace()
+    n, k = w.shape
+    bn, bk = block_size
+    shape = (n // bn, bn, k // bk, bk)
+    xb = w.contiguous().view(shape)
+    scale = _fast_block_scale(xb, ue8m0, ws)
+    y = _fast_scaled(xb, scale, ws, clamp=False)
+    step = _round_e4m3_(y, ws)
+    # (k * step) * scale == k * (step * scale) exactly: step is a power of two. The final multiply
+    # rounds once to fp32 and the write rounds once to w.dtype, as the reference's two casts do.
+    step.mul_(scale)
+    torch.mul(y, step, out=out.view(shape))
+    return out
+
+
+def quantize_block_into(
+    w: torch.Tensor,
+    q_out: torch.Tensor,
+    scale_out: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    ue8m0: bool = False,
+    workspace: Fp8Workspace | None = None,
+) -> None:
+    """Write ``quantize_block(w)`` into ``q_out`` (e4m3 ``[N, K]``) and ``scale_out`` (fp32
+    ``[ceil(N/bn), ceil(K/bk)]``), e.g. views into a send bucket. Bit-identical to the reference."""
+    if not _fast_ok(w, block_size):
+        q, s = _quantize_block_reference(w, block_size, ue8m0=ue8m0)
+        q_out.copy_(q)
+        scale_out.copy_(s)
+        return
+    ws = workspace or Fp8Workspace()
+    n, k = w.shape
+    bn, bk = block_size
+    xb = w.contiguous().view(n // bn, bn, k // bk, bk)
+    scale = _fast_block_scale(xb, ue8m0, ws)
+    y = _fast_scaled(xb, scale, ws, clamp=True)
+    q_out.view(xb.shape).copy_(y)  # fp32 -> e4m3 cast into place: the reference's own cast
+    scale_out.copy_(scale.view(n // bn, k // bk))
 
 
 def quantize_per_tensor(w: torch.Tensor, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,111 +433,23 @@ def quantize_named_tensors(
             yield name[: -len("weight")] + scheme.scale_suffix, s
 
 
-# -- stress emulation (the study's "truncated FP8"): harsher than any production FP8 recipe ---------
-
-Rounding = Literal["nearest", "toward_zero"]
-
-
-def to_e4m3(x: torch.Tensor, rounding: Rounding = "nearest", mantissa_bits: int = 3) -> torch.Tensor:
-    """Cast already-scaled fp32 values (``|x| <= 448``) to e4m3 with the given rounding.
-
-    ``toward_zero`` truncates the mantissa: where the round-to-nearest result overshoots ``|x|`` the
-    magnitude steps one code down. e4m3fn codes are sign + 7 magnitude bits ordered like the values
-    they encode, so "one code down" is an integer decrement that never touches the sign bit (an
-    overshooting code has magnitude >= 1). Every weight then shrinks toward zero by up to one FP8
-    step (about 6% on average at 3 mantissa bits): a biased error, unlike nearest rounding's.
-
-    ``mantissa_bits < 3`` then clears the low ``3 - mantissa_bits`` mantissa bits (truncation toward
-    zero onto a coarser e4mM grid, subnormals included since their mantissa is linear): the harshest
-    "truncated FP8" knob, for stress runs only.
-    """
-    if not 0 <= mantissa_bits <= 3:
-        raise ValueError(f"mantissa_bits must be in [0, 3] (e4m3 has 3), got {mantissa_bits}")
-    if rounding not in ("nearest", "toward_zero"):
-        raise ValueError(f"unknown FP8 rounding {rounding!r}; use nearest or toward_zero")
-    q = x.to(FP8_DTYPE)
-    if rounding == "nearest" and mantissa_bits == 3:
-        return q
-    bits = q.view(torch.uint8)
-    if rounding == "toward_zero":
-        bits = torch.where(q.float().abs() > x.abs(), bits - 1, bits)
-    if mantissa_bits < 3:
-        bits = bits & (0xFF ^ ((1 << (3 - mantissa_bits)) - 1))
-    return bits.view(FP8_DTYPE)
-
-
-def fake_quantize_stress(
-    w: torch.Tensor, scheme: Fp8Scheme, rounding: Rounding = "nearest", mantissa_bits: int = 3
-) -> torch.Tensor:
-    """``dequantize(quantize(w))`` under ``scheme`` with :func:`to_e4m3`'s ``rounding`` and
-    ``mantissa_bits``, in ``w.dtype`` (fake-quant only: no FP8 kernel serves these grids).
-
-    Same scales as :func:`quantize` (amax / 448 per block, tensor or row, UE8M0 if asked); only the
-    cast differs. With the defaults it equals :func:`fake_quantize`.
-    """
-    x = w.float()
-    if scheme.granularity == "block":
-        blocks, n, k = _blocks(w, scheme.block_size)
-        amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    elif scheme.granularity == "per_tensor":
-        amax = x.abs().amax().reshape(1)
-    else:
-        if w.dim() != 2:
-            raise ValueError(f"per-channel quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-        amax = x.abs().amax(dim=1, keepdim=True)
-    scale = amax.clamp(min=_AMAX_EPS) / FP8_MAX
-    if scheme.ue8m0:
-        scale = _ue8m0(scale)
-    src = blocks if scheme.granularity == "block" else x
-    deq = to_e4m3((src / scale).clamp_(-FP8_MAX, FP8_MAX), rounding, mantissa_bits).float().mul_(scale)
-    if scheme.granularity == "block":
-        deq = _unblock(deq, n, k)
-    return deq.to(w.dtype)
-
-
-def is_router(name: str) -> bool:
-    """True for a MoE router weight (``mlp.gate`` / ``shared_expert_gate``); FP8 recipes keep it bf16."""
-    return name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight"))
-
-
-def fake_quantize_named_stress(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    scheme: Fp8Scheme,
-    rounding: Rounding = "nearest",
-    mantissa_bits: int = 3,
-    *,
-    quantize_router: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Fake-quant stream for the stress setting: what :func:`quantize_named_tensors` does in ``fake``
-    mode, with ``rounding`` / ``mantissa_bits`` and, with ``quantize_router``, the MoE router weights
-    quantized too, so near-tie expert choices flip between trainer and rollout. Lazy, one tensor at
-    a time."""
-    for name, t in named_tensors:
-        router = quantize_router and t.dim() == 2 and is_router(name)
-        if router or should_quantize(name, t, scheme):
-            yield name, fake_quantize_stress(t, scheme, rounding, mantissa_bits)
-        else:
-            yield name, t
-
-
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "Fp8Scheme",
+    "Fp8Workspace",
     "dequantize",
     "dequantize_block",
     "dequantize_scaled",
     "fake_quantize",
     "fake_quantize_block",
-    "fake_quantize_named_stress",
-    "fake_quantize_stress",
-    "is_router",
+    "fake_quantize_block_into",
     "quantize",
     "quantize_block",
+    "quantize_block_into",
     "quantize_named_tensors",
     "quantize_per_channel",
     "quantize_per_tensor",
     "scheme_from_config",
     "should_quantize",
-    "to_e4m3",
 ]

@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import queue
 import struct
 import threading
@@ -48,7 +49,16 @@ import torch
 import torch.distributed as dist
 
 from sglang_bridge.client import PauseMode, SamplingParams, SGLangClient, SGLangHTTPError
-from sglang_bridge.fp8 import FP8_DTYPE, Fp8Scheme, quantize_named_tensors, should_quantize
+from sglang_bridge.fp8 import (
+    FP8_DTYPE,
+    Fp8Scheme,
+    Fp8Workspace,
+    fake_quantize,
+    fake_quantize_block_into,
+    quantize,
+    quantize_block_into,
+    should_quantize,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +76,10 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+_NOT_FLUSHED = "cache was not flushed"
+"""SGLang's answer when a bucket loaded but its flush found requests still being retracted."""
 
 
 class WeightSyncError(RuntimeError):
@@ -270,22 +284,71 @@ def broadcast_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work
     return dist.broadcast(tensor, src=0, group=group, async_op=True)
 
 
+OutMeta = tuple[str, tuple[int, ...], torch.dtype]
+"""(name, shape, dtype) of one tensor as it goes on the wire."""
+
+
+@dataclass
+class _Entry:
+    """One input tensor and what it becomes on the wire: ``outs`` (one tensor, or an FP8 weight and
+    its scale) and ``fill``, which writes them into their views of a send bucket."""
+
+    name: str
+    tensor: torch.Tensor
+    outs: list[OutMeta]
+    kind: Literal["copy", "fp8"] = "copy"
+    fill: Callable[[list[torch.Tensor], Fp8Workspace], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * d.itemsize for _, s, d in self.outs)
+
+
+def _copy_entry(name: str, t: torch.Tensor) -> _Entry:
+    return _Entry(name, t, [(name, tuple(t.shape), t.dtype)])
+
+
 class _Bucket:
     """Tensors packed into one flat uint8 buffer, largest itemsize first so every offset is aligned
-    (SGLang's receiver rejects a tensor whose byte offset is not a multiple of its itemsize)."""
+    (SGLang's receiver rejects a tensor whose byte offset is not a multiple of its itemsize).
 
-    def __init__(self, items: list[tuple[str, torch.Tensor]], buf: torch.Tensor):
-        items = sorted(items, key=lambda it: -it[1].element_size())
-        self.names = [n for n, _ in items]
-        self.dtypes = [_dtype_str(t.dtype) for _, t in items]
-        self.shapes = [list(t.shape) for _, t in items]
+    ``items``: ``(name, tensor)`` pairs to copy, or :class:`_Entry` whose ``fill`` writes its FP8
+    result straight into the bucket (no intermediate tensor, no concatenation). ``seconds`` holds
+    the time spent per entry kind ("copy" = packing, "fp8" = quantizing into place).
+    """
+
+    def __init__(
+        self,
+        items: Sequence[tuple[str, torch.Tensor] | _Entry],
+        buf: torch.Tensor,
+        workspace: Fp8Workspace | None = None,
+    ):
+        entries = [it if isinstance(it, _Entry) else _copy_entry(*it) for it in items]
+        slots = [(e, j) for e in entries for j in range(len(e.outs))]
+        slots.sort(key=lambda s: -s[0].outs[s[1]][2].itemsize)  # stable: input order within a dtype
+        self.names = [e.outs[j][0] for e, j in slots]
+        self.dtypes = [_dtype_str(e.outs[j][2]) for e, j in slots]
+        self.shapes = [list(e.outs[j][1]) for e, j in slots]
+        views: dict[int, list[torch.Tensor]] = {id(e): [torch.empty(0)] * len(e.outs) for e in entries}
         off = 0
-        for _, t in items:
-            nb = t.numel() * t.element_size()
-            buf[off : off + nb].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+        for e, j in slots:
+            _, shape, dtype = e.outs[j]
+            nb = math.prod(shape) * dtype.itemsize
+            views[id(e)][j] = buf[off : off + nb].view(dtype).view(shape)
             off += nb
         self.flat = buf[:off]
         self.nbytes = off
+        self.seconds = {"copy": 0.0, "fp8": 0.0}
+        self.last = False
+        """The update's last bucket: its request also flushes the servers' radix cache."""
+        ws = workspace or Fp8Workspace()
+        for e in entries:
+            t0 = time.perf_counter()
+            if e.fill is None:
+                views[id(e)][0].copy_(e.tensor.reshape(e.outs[0][1]), non_blocking=True)
+            else:
+                e.fill(views[id(e)], ws)
+            self.seconds[e.kind] += time.perf_counter() - t0
 
 
 class DistributedWeightSynchronizer(WeightSynchronizer):
@@ -313,6 +376,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         group_name: str | None = None,
         device: torch.device | str = "cpu",
         bucket_size_mb: float = 512,
+        first_bucket_mb: float = 8,
         fp8: Fp8Scheme | None = None,
         fp8_mode: Literal["real", "fake"] = "fake",
         pause_mode: PauseMode = "retract",
@@ -332,6 +396,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.bucket_bytes = max(1, int(bucket_size_mb * 1024 * 1024))
+        self.first_bucket_bytes = max(1, min(self.bucket_bytes, int(first_bucket_mb * 1024 * 1024)))
         self.fp8 = fp8
         self.fp8_mode = fp8_mode
         self.pause_mode = pause_mode
@@ -345,6 +410,8 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         self._thread.start()
         self._clients: list[SGLangClient] = self._run(self._make_clients())
         self._bufs: list[torch.Tensor] = []
+        self._fp8_ws = Fp8Workspace()  # used by the (one) packing thread only
+        self._validated: tuple[Any, ...] | None = None  # key of the last input set that validated
 
     # -- plumbing -------------------------------------------------------------------------
     async def _make_clients(self) -> list[SGLangClient]:
@@ -493,34 +560,76 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             self._bufs[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._bufs[i]
 
+    def _entry(self, name: str, t: torch.Tensor) -> _Entry:
+        """What ``t`` becomes on the wire (after the FP8 step) and how to write it into a bucket."""
+        scheme = self.fp8
+        if scheme is None or not should_quantize(name, t, scheme):
+            return _copy_entry(name, t)
+        outs = self._out_meta(name, tuple(t.shape), t.dtype)
+        block = scheme.granularity == "block"
+
+        def fake(views: list[torch.Tensor], ws: Fp8Workspace) -> None:
+            if block:
+                fake_quantize_block_into(t, views[0], scheme.block_size, ue8m0=scheme.ue8m0, workspace=ws)
+            else:
+                views[0].copy_(fake_quantize(t, scheme))
+
+        def real(views: list[torch.Tensor], ws: Fp8Workspace) -> None:
+            if block:
+                quantize_block_into(
+                    t, views[0], views[1], scheme.block_size, ue8m0=scheme.ue8m0, workspace=ws
+                )
+            else:
+                q, s = quantize(t, scheme)
+                views[0].copy_(q)
+                views[1].copy_(s)
+
+        return _Entry(name, t, outs, "fp8", fake if self.fp8_mode == "fake" else real)
+
+    def _bucket_limit(self, k: int) -> int:
+        """Byte budget of bucket ``k``: ``first_bucket_bytes`` doubling up to ``bucket_bytes``.
+
+        Only the first bucket's preparation (FP8, packing) cannot hide behind a transfer, so it is
+        small; later buckets grow to keep the number of requests (each with a fixed server-side
+        cost) low."""
+        return min(self.bucket_bytes, self.first_bucket_bytes << min(k, 40))
+
     def _groups(
         self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stop: threading.Event
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Consecutive tensors grouped up to ``bucket_bytes`` (a larger tensor gets its own bucket)."""
-        cur: list[tuple[str, torch.Tensor]] = []
+    ) -> Iterator[tuple[list[_Entry], bool]]:
+        """Consecutive tensors grouped by the bytes they put on the wire, up to :meth:`_bucket_limit`
+        (a larger tensor gets its own bucket), each with whether it is the last group."""
+        cur: list[_Entry] = []
         size = 0
+        k = 0
         for name, t in tensors:
             if stop.is_set():
                 return
-            if not checked and (err := self.manifest.check(name, tuple(t.shape), t.dtype)) is not None:
-                raise ManifestMismatchError(f"refusing tensor mid-stream: {err}")
-            nb = t.numel() * t.element_size()
-            if cur and size + nb > self.bucket_bytes:
-                yield cur
-                cur, size = [], 0
-            cur.append((name, t.detach().to(self.device)))
+            e = self._entry(name, t.detach().to(self.device))
+            if not checked:
+                for oname, oshape, odtype in e.outs:
+                    if (err := self.manifest.check(oname, oshape, odtype)) is not None:
+                        raise ManifestMismatchError(f"refusing tensor mid-stream: {err}")
+            nb = e.nbytes
+            if cur and size + nb > self._bucket_limit(k):
+                yield cur, False
+                cur, size, k = [], 0, k + 1
+            cur.append(e)
             size += nb
         if cur:
-            yield cur
+            yield cur, True
 
     def _prepared_buckets(
         self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool
-    ) -> Iterator[tuple[_Bucket, int]]:
-        """Packed buckets, prepared one ahead on a worker thread.
+    ) -> tuple[Iterator[tuple[_Bucket, int]], Callable[[], None]]:
+        """Packed buckets, prepared one ahead on a worker thread that starts at once (so bucket 0 is
+        prepared while the servers pause and open the update); returns the buckets and a shutdown
+        function that stops the worker (idempotent; call it whether or not the buckets were used).
 
-        The worker pulls tensors (running the FP8 step and any lazy conversion of the caller's
-        stream) and packs bucket k+1 into the second of two send buffers while bucket k is being
-        broadcast and loaded by the servers, so that work hides behind the transfer.
+        The worker pulls tensors (running any lazy conversion of the caller's stream), FP8-quantizes
+        and packs bucket k+1 straight into the second of two send buffers while bucket k is being
+        broadcast and loaded by the servers, so that work hides behind the transfer (torch ops
+        release the GIL).
         """
         free: queue.Queue[int] = queue.Queue()
         for i in (0, 1):
@@ -531,31 +640,40 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
 
         def work() -> None:
             try:
-                for items in self._groups(tensors, checked, stop):
+                for entries, last in self._groups(tensors, checked, stop):
                     idx = free.get()
                     if stop.is_set():
                         return
-                    nbytes = sum(t.numel() * t.element_size() for _, t in items)
-                    ready.put((_Bucket(items, self._buffer(idx, nbytes)), idx))
+                    nbytes = sum(e.nbytes for e in entries)
+                    bucket = _Bucket(entries, self._buffer(idx, nbytes), self._fp8_ws)
+                    bucket.last = last
+                    ready.put((bucket, idx))
                 ready.put(done)
             except BaseException as e:  # forwarded to the sending thread
                 ready.put(e)
 
         worker = threading.Thread(target=work, name="weight-sync-pack", daemon=True)
         worker.start()
-        try:
-            while (item := ready.get()) is not done:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                free.put(item[1])  # the consumer has finished sending from this buffer
-        finally:
+
+        def shutdown() -> None:
             stop.set()
             free.put(0)  # unblock a worker waiting for a buffer
             while worker.is_alive():
                 with contextlib.suppress(queue.Empty):
                     ready.get(timeout=0.05)  # unblock a worker waiting to hand over
             worker.join()
+
+        def consume() -> Iterator[tuple[_Bucket, int]]:
+            try:
+                while (item := ready.get()) is not done:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    free.put(item[1])  # the consumer has finished sending from this buffer
+            finally:
+                shutdown()
+
+        return consume(), shutdown
 
     def _send_bucket(self, bucket: _Bucket) -> int:
         assert self.group is not None
@@ -570,7 +688,9 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                             bucket.shapes,
                             self.group_name,
                             load_format="flattened_bucket",
-                            flush_cache=False,
+                            # The last bucket's request also resets the radix cache / KV pools once
+                            # every weight is in (see sync()).
+                            flush_cache=bucket.last,
                         )
                         for c in self._clients
                     )
@@ -579,20 +699,29 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
 
         fut = self._submit(post_all())
         work = broadcast_async(bucket.flat, self.group)
-        # A server that rejects the request never joins the broadcast: watch both, never wait blindly.
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            if fut.done() and fut.exception() is not None:
-                raise WeightSyncError(
-                    f"a server failed the bucket before receiving it: {fut.exception()}; "
-                    "the update group is now unusable (reconnect)"
-                )
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"bucket broadcast not completed after {self.timeout_s}s")
-            time.sleep(0.0005)
-        work.wait()
-        for url, r in zip(self.urls, fut.result(timeout=self.timeout_s), strict=True):
-            if not (isinstance(r, dict) and r.get("success")):
+        # Wait on the servers' answers, never blindly on the broadcast: a server answers only after
+        # it has received and loaded the bucket, or with an error if it refused it (then it never
+        # joins the broadcast, which would wait forever). Blocking here instead of polling the
+        # broadcast also leaves the GIL to the packing thread.
+        try:
+            results = fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            raise WeightSyncError(f"bucket not loaded after {self.timeout_s}s") from e
+        except Exception as e:
+            raise WeightSyncError(
+                f"a server failed the bucket: {e}; the update group is now unusable (reconnect)"
+            ) from e
+        loaded = [
+            isinstance(r, dict) and (r.get("success") or _NOT_FLUSHED in r.get("message", ""))
+            for r in results
+        ]
+        if all(loaded):
+            work.wait(timeout=timedelta(seconds=self.timeout_s))  # done: every server received it
+        for url, c, r, ok in zip(self.urls, self._clients, results, loaded, strict=True):
+            if ok and not r.get("success"):
+                # Loaded, but requests were still being retracted: flush on its own, with retries.
+                self._run(c.flush_cache())
+            elif not (isinstance(r, dict) and r.get("success")):
                 raise WeightSyncError(f"{url} failed to load bucket {bucket.names[:3]}...: {r}")
         return bucket.nbytes
 
@@ -607,33 +736,66 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         checked = isinstance(items, Sequence | type({}.items()))
         if checked:
             items = list(items)
-            self.validate((n, tuple(t.shape), t.dtype) for n, t in items)
+            # A trainer sends the same names / shapes / dtypes every step: checked once, then only
+            # compared with the last set that passed (under the same manifest and FP8 settings).
+            meta = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
+            key = (id(self.manifest), self.fp8, self.fp8_mode, self.require_complete, meta)
+            if key != self._validated:
+                self.validate(meta)
+                self._validated = key
         timings["validate"] = time.perf_counter() - t0
-        stream: Iterable[tuple[str, torch.Tensor]] = items
-        if self.fp8 is not None:
-            stream = quantize_named_tensors(stream, self.fp8, mode=self.fp8_mode)
+        # The packer starts on bucket 0 now, overlapping the pause / begin round trips.
+        buckets, stop_packer = self._prepared_buckets(items, checked)
+        try:
+            return self._update(buckets, checked, version, t0, timings)
+        finally:
+            stop_packer()
 
-        # From here on the servers are touched.
+    def _update(
+        self,
+        buckets: Iterator[tuple[_Bucket, int]],
+        checked: bool,
+        version: str,
+        t0: float,
+        timings: dict[str, float],
+    ) -> SyncReport:
+        """Steps 2-4 of :meth:`sync` (everything that touches the servers)."""
         t = time.perf_counter()
         self._all("pause_generation", self.pause_mode)
         self._dirty = True
         timings["pause"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._all("flush_cache")
-        timings["flush"] = time.perf_counter() - t
+        # No separate /flush_cache here: the last bucket's request flushes the radix cache after
+        # loading (nothing generates while paused, so stale KV is never read in between). The HTTP
+        # /flush_cache also runs a full gc.collect() of the server heap on CPU SGLang (its
+        # empty_cache), ~0.5 s that has nothing to do with the cache; the request's flush skips it.
         t = time.perf_counter()
         self._begin()
         timings["begin"] = time.perf_counter() - t
         n_tensors = n_bytes = n_buckets = 0
         sent: set[str] = set()
+        for k in ("quantize", "pack", "wire", "wait"):
+            timings[k] = 0.0
         try:
             t = time.perf_counter()
-            for bucket, _ in self._prepared_buckets(stream, checked):
-                n_bytes += self._send_bucket(bucket)
-                n_tensors += len(bucket.names)
-                n_buckets += 1
-                sent.update(bucket.names)
+            with contextlib.closing(buckets):
+                while True:
+                    tw = time.perf_counter()
+                    item = next(buckets, None)
+                    timings["wait"] += time.perf_counter() - tw  # preparation not hidden by a transfer
+                    if item is None:
+                        break
+                    bucket = item[0]
+                    tw = time.perf_counter()
+                    n_bytes += self._send_bucket(bucket)
+                    timings["wire"] += time.perf_counter() - tw
+                    timings["quantize"] += bucket.seconds["fp8"]
+                    timings["pack"] += bucket.seconds["copy"]
+                    n_tensors += len(bucket.names)
+                    n_buckets += 1
+                    sent.update(bucket.names)
             timings["buckets"] = time.perf_counter() - t
+            if n_buckets == 0:  # nothing sent (an empty partial update): still drop stale KV
+                self._all("flush_cache")
             if not checked and self.require_complete:
                 missing = set(self.manifest.tensors) - sent
                 if missing:

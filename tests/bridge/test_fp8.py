@@ -18,10 +18,16 @@ from sglang_bridge.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     Fp8Scheme,
+    Fp8Workspace,
+    _fake_quantize_block_reference,
+    _quantize_block_reference,
     dequantize_block,
     dequantize_scaled,
     fake_quantize,
+    fake_quantize_block,
+    fake_quantize_block_into,
     quantize_block,
+    quantize_block_into,
     quantize_named_tensors,
     quantize_per_channel,
     quantize_per_tensor,
@@ -102,6 +108,89 @@ def test_block_error_bound(n: int, k: int, scale: float, seed: int, bn: int, ue8
     # half an e4m3 ulp: 2^-4 relative for normals, 2^-10 (x scale) absolute in the subnormal range
     bound = w.abs() * 2**-4 + s_full * 2**-10
     assert torch.all((deq - w).abs() <= bound * 1.0001)
+
+
+def _edge_weights(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 384] with every case the e4m3 rounding has to get right, in separate 128x128 blocks."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 384, generator=g) * 0.02
+    w[:128, :128] = 0.0  # all-zero block: the eps scale
+    w[0, 5] = -0.0  # signed zero survives
+    w[128:, :128] *= 1e-30  # tiny block (fp32 subnormal / underflow in bf16)
+    # Saturation, ties and e4m3 subnormals: in a block whose amax is 448, y = x / scale == x.
+    w[:128, 128:256] = torch.randn(128, 128, generator=g)
+    w[0, 128:142] = torch.tensor(
+        [
+            448.0,
+            -448.0,
+            2**-6,
+            -(2**-7),
+            2**-9,
+            2**-10,
+            3 * 2**-10,
+            2**-11,
+            1.0625,
+            1.1875,
+            17.0,
+            19.0,
+            1e-8,
+            -1e-8,
+        ]
+    )
+    w[128, 128:130] = torch.tensor([3e38, -3e38]) if dtype == torch.float32 else torch.tensor([6e4, -6e4])
+    w[5, 300] = float("nan")  # NaN block: NaN everywhere in it, as the reference
+    if dtype != torch.float16:
+        w[130, 300] = float("inf")
+    return w.to(dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, except that any NaN matches any NaN (the payload is not part of the format)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a32, b32 = a.float(), b.float()
+    nan = a32.isnan()
+    if not torch.equal(nan, b32.isnan()):
+        return False
+    ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(ib)[~nan], b.view(ib)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("block", [(128, 128), (32, 64)])
+def test_fast_path_bit_identical_to_reference(
+    dtype: torch.dtype, ue8m0: bool, block: tuple[int, int]
+) -> None:
+    """The in-place e4m3 rounding (fake) and the workspace quantizer (real) equal the generic-cast
+    reference bit for bit: random weights at several magnitudes, zeros, -0, subnormals, ±448 and
+    beyond-e4m3 values, e4m3 rounding ties, inf and NaN (NaN policy: a NaN poisons its block)."""
+    g = torch.Generator().manual_seed(2)
+    cases = [_edge_weights(dtype)] + [
+        (torch.randn(256, 512, generator=g) * s).to(dtype) for s in (1e-3, 0.02, 1.0, 300.0)
+    ]
+    ws = Fp8Workspace()  # shared across tensors, as in the packer: stale contents must not leak
+    for w in cases:
+        ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
+        out = torch.full_like(w, 7.0)
+        fake_quantize_block_into(w, out, block, ue8m0=ue8m0, workspace=ws)
+        assert _same(out, ref)
+        assert _same(fake_quantize_block(w, block, ue8m0=ue8m0), ref)
+        q_ref, s_ref = _quantize_block_reference(w, block, ue8m0=ue8m0)
+        q = torch.empty(w.shape, dtype=FP8_DTYPE)
+        s = torch.empty(s_ref.shape)
+        quantize_block_into(w, q, s, block, ue8m0=ue8m0, workspace=ws)
+        assert _same(q, q_ref) and _same(s, s_ref)
+    nan_block = fake_quantize_block(cases[0], (128, 128))[:128, 256:384]
+    assert nan_block.isnan().all()  # the NaN policy, stated: the whole block, like the reference
+
+
+def test_fast_path_falls_back_on_ragged_blocks() -> None:
+    w = (torch.randn(300, 200) * 0.1).to(torch.bfloat16)  # not whole 128x128 blocks: reference path
+    assert _same(fake_quantize_block(w), _fake_quantize_block_reference(w))
+    q, s = quantize_block(w)
+    q_ref, s_ref = _quantize_block_reference(w)
+    assert _same(q, q_ref) and _same(s, s_ref)
 
 
 def test_per_tensor_and_per_channel() -> None:

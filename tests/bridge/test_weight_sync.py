@@ -14,13 +14,20 @@ import torch
 from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
 
 from sglang_bridge.client import SamplingParams, SGLangClient
-from sglang_bridge.fp8 import Fp8Scheme, fake_quantize, should_quantize
+from sglang_bridge.fp8 import (
+    Fp8Scheme,
+    _fake_quantize_block_reference,
+    _quantize_block_reference,
+    fake_quantize,
+    should_quantize,
+)
 from sglang_bridge.server import SGLangServer
 from sglang_bridge.weight_sync import (
     DistributedWeightSynchronizer,
     Manifest,
     ManifestMismatchError,
     WeightSyncError,
+    _Bucket,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -61,11 +68,51 @@ def restore_v1(
     synchronizer.sync(v1, version="v1-restored")
 
 
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_bucket_quantizes_in_place_like_the_reference(mode: str) -> None:
+    """The packer writes FP8 straight into the flat bucket: same names, dtypes, shapes, order and bytes
+    as the reference quantizers' tensors packed by plain copies (no server needed)."""
+    scheme = Fp8Scheme("block", (32, 32))
+    g = torch.Generator().manual_seed(0)
+    named = [
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(64, 96, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(70, 40, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(64, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.mlp.gate.weight", torch.randn(8, 64, generator=g).to(torch.bfloat16)),  # router
+        ("lm_head.bias", torch.randn(5, generator=g)),  # fp32: packed first for alignment
+    ]
+    ref: list[tuple[str, torch.Tensor]] = []
+    for n, t in named:
+        if not should_quantize(n, t, scheme):
+            ref.append((n, t))
+        elif mode == "fake":
+            ref.append((n, _fake_quantize_block_reference(t, scheme.block_size)))
+        else:
+            q, sc = _quantize_block_reference(t, scheme.block_size)
+            ref += [(n, q), (n[: -len("weight")] + "weight_scale_inv", sc)]
+    sync = DistributedWeightSynchronizer(
+        ["http://127.0.0.1:9"],
+        Manifest({}),
+        fp8=scheme,
+        fp8_mode=mode,
+    )
+    try:
+        entries = [sync._entry(n, t) for n, t in named]
+        got = _Bucket(entries, torch.full((sum(e.nbytes for e in entries),), 0xAB, dtype=torch.uint8))
+    finally:
+        sync.close()
+    want = _Bucket(ref, torch.empty(sum(t.numel() * t.element_size() for _, t in ref), dtype=torch.uint8))
+    assert (got.names, got.dtypes, got.shapes) == (want.names, want.dtypes, want.shapes)
+    assert torch.equal(got.flat, want.flat)
+    assert got.seconds["fp8"] > 0 and got.seconds["copy"] > 0
+
+
 def test_full_sync_then_logprobs_match_new_weights(
     synchronizer, sglang_server: SGLangServer, tiny_ckpt: Path, manifest: Manifest, restore_v1: dict
 ) -> None:
     v2 = _perturbed(restore_v1, seed=1)
-    report = synchronizer.sync(v2, version="v2")
+    _generate(sglang_server.url, GREEDY)  # old-weight KV for these prompts now in the radix cache
+    report = synchronizer.sync(v2, version="v2")  # the last bucket's request must flush it
     assert report.num_tensors == len(manifest) and report.fp8 == "none"
     assert synchronizer.version == "v2"
     samples = _generate(
