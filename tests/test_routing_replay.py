@@ -22,7 +22,7 @@ from megatron_acrl.megatron.routing_replay import (
 )
 from megatron_acrl.rollout import RolloutBatch, build_batch
 from sglang_bridge.client import decode_routed_experts
-from sglang_bridge.cpu_compat import R3_HOOK_DIR, STAND_IN_DIR, server_env
+from sglang_bridge.cpu_compat import R3_HOOK_DIR, STAND_IN_DIR
 from sglang_bridge.server import ServerSpec
 
 # From the research recipe (example_r3.json): 4 routed positions, 2 layers, top-2.
@@ -195,17 +195,35 @@ def test_server_spec_requests_routed_experts_with_cpu_hook():
     assert str(R3_HOOK_DIR) not in gpu.env().get("PYTHONPATH", "")  # real CUDA hosts pin the buffer
 
 
-def test_cpu_allocator_hook_in_a_child():
-    """The hook gives SGLang's routed-experts host buffer a CPU allocator (in a child: the test process
-    never imports SGLang)."""
-    code = (
-        "import torch\n"
-        "from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, HostTensorAllocator\n"
-        "t = ALLOC_MEMORY_FUNCS['cpu']((3, 2, 2), dtype=torch.int32, device='cpu', pin_memory=True,\n"
-        "                              allocator=HostTensorAllocator())\n"
-        "print(tuple(t.shape), t.device)\n"
+def test_cpu_allocator_hook_in_a_child(tmp_path):
+    """The hook adds a CPU allocator to SGLang's ``ALLOC_MEMORY_FUNCS`` when the module is imported.
+
+    A stand-in ``sglang.srt.mem_cache.pool_host.common`` keeps this fast (importing SGLang takes
+    minutes on a loaded 2-core machine); the real module is exercised by the server started with
+    ``--enable-return-routed-experts`` in ``tests/bridge/test_routing_replay.py``.
+    """
+    pkg = tmp_path / "sglang" / "srt" / "mem_cache" / "pool_host"
+    pkg.mkdir(parents=True)
+    for d in (pkg, *pkg.parents):
+        if d == tmp_path:
+            break
+        (d / "__init__.py").write_text("")
+    (pkg / "common.py").write_text(
+        "ALLOC_MEMORY_FUNCS = {}\n"
+        "class HostTensorAllocator:\n"
+        "    def allocate(self, dims, dtype, device):\n"
+        "        return ('allocated', dims, dtype, device)\n"
     )
-    env = server_env("cpu", routed_experts=True)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = (
+        "from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, HostTensorAllocator\n"
+        "print(ALLOC_MEMORY_FUNCS['cpu']((3, 2, 2), dtype='int32', device='cpu', pin_memory=True,\n"
+        "                                allocator=HostTensorAllocator()))\n"
+    )
+    env = {"PYTHONPATH": f"{R3_HOOK_DIR}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "(3, 2, 2) cpu" in out.stdout
+    assert "('allocated', (3, 2, 2), 'int32', 'cpu')" in out.stdout
+    # Without the hook on the path nothing is patched.
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "KeyError" in out.stderr
