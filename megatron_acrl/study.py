@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -463,12 +464,16 @@ def _steps(results: list[ArmResult]) -> int:
 def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None) -> Path:
     """REPORT.md and PNGs in ``report_dir`` from the finished runs under ``out``."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    run_walls = []
+    run_walls, starts, ends = [], [], []
     for g in grids:
         for arm in g.arms:
             for s in g.seeds:
-                with contextlib.suppress(OSError, ValueError):
-                    run_walls.append(float(json.loads((out / f"{arm}-s{s}" / "done").read_text())["wall_s"]))
+                done = out / f"{arm}-s{s}" / "done"
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    w = float(json.loads(done.read_text())["wall_s"])
+                    run_walls.append(w)
+                    ends.append(done.stat().st_mtime)
+                    starts.append(ends[-1] - w)
     lines = [
         "# Mismatch study report",
         "",
@@ -486,6 +491,11 @@ def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: flo
             wall_s = float(json.loads(wall_file.read_text())["wall_s"])
     if wall_s is not None:
         lines.append(f"Wall time of the grid invocation: {wall_s / 60:.1f} min.")
+    if starts:  # holds also when several invocations (--seeds) shared --out concurrently
+        lines.append(
+            f"First run start to last run end: {(max(ends) - min(starts)) / 60:.1f} min (server start-up "
+            "before the first run not included)."
+        )
     if run_walls:
         lines.append(
             f"Sum of the {len(run_walls)} runs' own wall times: {sum(run_walls) / 60:.1f} min "
@@ -554,6 +564,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", default="docs/study", help="where REPORT.md and the plots go")
     ap.add_argument("--report-only", action="store_true", help="write the report from finished runs")
     ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run only these of the grids' seeds (several invocations can share --out; the report "
+        "covers every finished seed of the grid files)",
+    )
+    ap.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -575,7 +593,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     t0 = time.monotonic()
     if not args.report_only:
-        run_grids(grids, out, args.jobs)
+        todo = grids
+        if args.seeds:
+            todo = [dataclasses.replace(g, seeds=tuple(x for x in g.seeds if x in args.seeds)) for g in grids]
+        run_grids([g for g in todo if g.seeds], out, args.jobs)
     wall = time.monotonic() - t0
     if not args.report_only:
         (out / "study_wall.json").write_text(
