@@ -1,13 +1,19 @@
-"""Checkpoint and resume of the whole run: the trainer's state (model, optimizer, LR schedule, ACRL
-controller, step; per rank) plus the driver's (RL step, weight version, data position, RNG, W&B run).
+"""Checkpoint and resume of the whole run. One step directory holds:
 
-Written atomically: every file of ``step_<n>/`` is complete before ``latest.json`` is replaced (a
-rename), so a crash mid-write leaves the previous checkpoint as the one that resumes.
+* ``policy/`` -- a Megatron distributed checkpoint (``torch_dist``) of the policy: model and
+  optimizer as ShardedTensors (loadable under any TP/PP/VPP/EP/DP layout), LR schedule, ACRL
+  controller state and optimizer step in its common state;
+* ``critic/`` -- the same for the PPO critic (PPO runs only);
+* ``driver.pt`` -- rank 0's driver state: RL step, weight version, data position (prompts
+  consumed), Python and torch RNG states, W&B run id.
+
+Written atomically (``trainer.save_step_atomically``): everything goes into ``.tmp-step_<n>/``, is
+fsynced, renamed to ``step_<n>/``, and only then ``latest.json`` is replaced; a crash at any point
+leaves the previous checkpoint as the one that resumes.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,29 +34,24 @@ class DriverState:
     wandb_id: str | None = None
 
 
-def _step_dir(ctx: RunContext, step: int) -> Path:
-    return Path(ctx.cfg.training.checkpoint_dir) / f"step_{step:08d}"  # type: ignore[arg-type]
-
-
 def save_checkpoint(ctx: RunContext, state: DriverState) -> Path | None:
     """Write a checkpoint of ``state.step`` (every rank calls it)."""
     directory = ctx.cfg.training.checkpoint_dir
     if not directory:
         return None
-    if ctx.rank == 0:
-        d = _step_dir(ctx, ctx.trainer.step)
-        d.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "driver": asdict(state),
-            "python_rng": random.getstate(),
-            "torch_rng": torch.get_rng_state(),
-        }
-        tmp = d / "driver.pt.tmp"
-        torch.save(payload, tmp)
-        tmp.replace(d / "driver.pt")
-    if ctx.critic is not None:  # into the same step_<n>/, before latest.json commits it
-        ctx.critic.save_checkpoint(directory, step=ctx.trainer.step)
-    path = ctx.trainer.save_checkpoint(directory)  # rank files, barrier, then latest.json
+
+    # Captured before anything is written, so the saved RNG states are the loop's, whatever the
+    # savers do with the generators.
+    payload = {"driver": asdict(state), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+
+    def write_driver(step_dir: Path) -> None:
+        if ctx.rank == 0:
+            torch.save(payload, step_dir / "driver.pt")
+
+    writers = [write_driver]
+    if ctx.critic is not None:  # into the same step directory, under the same commit
+        writers.append(lambda step_dir: ctx.critic.save_dist(step_dir / ctx.critic.ckpt_kind))
+    path = ctx.trainer.save_checkpoint(directory, also=writers)  # policy/, writers, commit
     ctx.last_checkpoint_step = state.step
     log0(f"checkpoint: step {state.step} -> {path}")
     return path
@@ -65,12 +66,15 @@ def load_driver_state(ctx: RunContext) -> DriverState:
         return DriverState()
     if ctx.critic is not None:
         ctx.critic.load_checkpoint(t.checkpoint_dir)
-    latest = json.loads((Path(t.checkpoint_dir) / "latest.json").read_text())
+    from megatron_acrl.megatron.trainer import resolve_step_dir
+
+    step_dir = resolve_step_dir(t.checkpoint_dir)
+    assert step_dir is not None  # latest.json exists (checked above)
     payload: Any = None
     if ctx.rank == 0:
-        path = Path(t.checkpoint_dir) / latest["dir"] / "driver.pt"
+        path = step_dir / "driver.pt"
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint {latest['dir']} is incomplete")
+            raise FileNotFoundError(f"{path} is missing: the checkpoint {step_dir.name} has no driver state")
         payload = torch.load(path, weights_only=False)
         random.setstate(payload["python_rng"])
         torch.set_rng_state(payload["torch_rng"])
@@ -78,7 +82,7 @@ def load_driver_state(ctx: RunContext) -> DriverState:
     state = DriverState(**driver)
     skip_prompts(ctx, state.prompts_consumed)
     ctx.last_checkpoint_step = state.step
-    log0(f"resumed from {latest['dir']}: step {state.step}, weights {state.weight_version}")
+    log0(f"resumed from {step_dir.name}: step {state.step}, weights {state.weight_version}")
     return state
 
 

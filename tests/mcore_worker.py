@@ -20,7 +20,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_acrl.config import config_from_dict  # noqa: E402
+from megatron_acrl.config import config_from_dict, config_to_dict  # noqa: E402
 from megatron_acrl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()
@@ -275,6 +275,122 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
         )
         results[case["name"]] = res
     return results
+
+
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.hf_weights(all_stages=True)}
+
+
+def _prepared_batches(trainer: Any) -> tuple[dict, dict]:
+    """Two controller observations and the training batch of ``run_case`` (on every rank)."""
+    batch = make_batch(trainer.cfg.model.vocab_size)
+    mask = batch["loss_mask"]
+    batch["old_logprobs"] = trainer.forward_logprobs(batch)["logprobs"] * mask
+    if trainer.ref_model is not None:
+        batch["ref_logprobs"] = trainer.forward_logprobs(batch, reference=True)["logprobs"] * mask
+    first = dict(batch, rollout_logprobs=(batch["old_logprobs"] + 0.02 * batch["noise"]) * mask)
+    second = dict(batch, rollout_logprobs=(batch["old_logprobs"] + 0.05 * batch["noise"]) * mask)
+    return first, second
+
+
+def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
+    """Distributed checkpoints: save under one layout, load under others (identical full weights,
+    the optimizer state resharded: the next step matches), a crash inside a save leaves the last
+    good checkpoint, and a checkpoint of another model is refused with the mismatched fields."""
+    from megatron_acrl.config import ConfigError
+    from megatron_acrl.megatron import trainer as trainer_mod
+    from megatron_acrl.megatron.critic import Critic
+
+    root = Path(args["tmp"])
+    out: dict[str, Any] = {}
+    for group in args["groups"]:
+        kind, ckpt = group["kind"], str(root / group["name"])
+        save_layout = group["save"]
+        cfg = make_config(kind, save_layout)
+        trainer_mod.initialize_parallel(cfg.parallel, SEED)
+        critic = group.get("critic", False)
+        model = Critic(cfg) if critic else trainer_mod.Trainer(cfg)
+        res: dict[str, Any] = {}
+        if critic:
+            batch = make_batch(cfg.model.vocab_size)
+            mask = batch["loss_mask"]
+            batch["values"] = model.forward_values(batch)["values"] * mask
+            batch["returns"] = batch["noise"] * mask
+            second = batch
+        else:
+            first, second = _prepared_batches(model)
+            model.update_controller(first)
+            model.update_controller(second)
+        model.train_step(second)  # step 1: the optimizer has state
+        model.save_checkpoint(ckpt)
+        res["saved"] = _weights(model)
+        res["m2"] = model.train_step(second)
+        res["after2"] = _weights(model)
+        if group.get("crash"):  # a save of step 2 that dies after writing its shards
+            original = trainer_mod.dist_checkpointing.save
+
+            def crashing(*a: Any, _save: Any = original, **k: Any) -> None:
+                _save(*a, **k)
+                raise RuntimeError("simulated crash mid-save")
+
+            trainer_mod.dist_checkpointing.save = crashing
+            try:
+                model.save_checkpoint(ckpt)
+            except RuntimeError as e:
+                res["crash"] = str(e)
+            finally:
+                trainer_mod.dist_checkpointing.save = original
+            res["latest_after_crash"] = json.loads((Path(ckpt) / "latest.json").read_text())
+            res["dirs_after_crash"] = sorted(p.name for p in Path(ckpt).iterdir())
+            model.load_checkpoint(ckpt)  # the last good one: step 1
+            res["resumed_step"] = model.step
+            res["m2_after_crash"] = model.train_step(second)
+            res["after2_after_crash"] = _weights(model)
+        del model
+        parallel_state.destroy_model_parallel()
+
+        loads = {}
+        for i, layout in enumerate(group["load"]):
+            cfg = make_config(kind, layout)
+            trainer_mod.initialize_parallel(cfg.parallel, SEED)
+            model = Critic(cfg) if critic else trainer_mod.Trainer(cfg)
+            model.load_checkpoint(ckpt)
+            got: dict[str, Any] = {"step": model.step, "loaded": _weights(model)}
+            if not critic:
+                got["controller"] = model.controller.state_dict()
+            got["m2"] = model.train_step(second)
+            got["after2"] = _weights(model)
+            loads[i] = got
+            del model
+            parallel_state.destroy_model_parallel()
+        res["loads"] = loads
+
+        for i, change in enumerate(group.get("mismatch", [])):  # another model: a clear error
+            data = config_to_dict(make_config(kind, {}))
+            data["model"].update(change)
+            cfg = config_from_dict(data)
+            trainer_mod.initialize_parallel(cfg.parallel, SEED)
+            model = trainer_mod.Trainer(cfg)
+            try:
+                model.load_checkpoint(ckpt)
+                res[f"mismatch{i}"] = "loaded"
+            except ConfigError as e:
+                res[f"mismatch{i}"] = str(e)
+            del model
+            parallel_state.destroy_model_parallel()
+        for i, layout in enumerate(group.get("refuse", [])):  # layouts that cannot take its optimizer
+            cfg = make_config(kind, layout)
+            trainer_mod.initialize_parallel(cfg.parallel, SEED)
+            model = trainer_mod.Trainer(cfg)
+            try:
+                model.load_checkpoint(ckpt)
+                res[f"refused{i}"] = "loaded"
+            except ConfigError as e:
+                res[f"refused{i}"] = str(e)
+            del model
+            parallel_state.destroy_model_parallel()
+        out[group["name"]] = res
+    return out
 
 
 def scenario_logprobs(args: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,10 @@ from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
 BASE = [
-    "training.sft_steps=30",
+    # Warm start long enough that the policy is right about a third of the time (as in the demo):
+    # recorded groups then mix rewards, so the replayed GRPO advantages (and the loss's gradient)
+    # are not zero. With 30 steps nearly every sample scored 0.
+    "training.sft_steps=150",
     "training.sft_lr=3e-3",
     "task.num_digits=1",
     "rollout.prompts_per_step=4",
@@ -77,6 +80,10 @@ def live(tmp_path_factory):
         }
     ]
     run_spec(tmp, spec)
+    # The replays train on these batches: they must hold correct and wrong answers.
+    recorded = [json.loads(line) for line in (tmp / "rollouts" / "index.jsonl").read_text().splitlines()]
+    means = [r["reward_mean"] for r in recorded]
+    assert any(0.0 < m < 1.0 for m in means[:2]), f"recorded rollouts have unmixed rewards: {means}"
     return tmp
 
 
@@ -200,12 +207,15 @@ def test_every_algorithm_and_correction_trains_on_replayed_rollouts(live):
                 if algo == "ppo":
                     for key in ("critic/value_loss", "critic/grad_norm", "critic/returns_mean"):
                         assert math.isfinite(x[key]), (method, key)
+            # Non-zero advantages: the policy loss has a gradient (not just the entropy/KL terms).
+            assert max(x["advantages/abs_mean"] for x in r) > 0.05, (algo, method)
             if method == "none":
                 assert r[0]["correction/weight_mean"] == pytest.approx(1.0)
             if method == "acrl":
                 assert r[0]["acrl/y_over_x"] == pytest.approx(1.0)  # first batch is the reference
     latest = json.loads((live / "ck-ppo" / "latest.json").read_text())
-    assert (live / "ck-ppo" / latest["dir"] / "critic_rank_00000.pt").exists()
+    for model in ("policy", "critic"):  # Megatron distributed checkpoints, one commit
+        assert (live / "ck-ppo" / latest["dir"] / model / "metadata.json").exists(), model
     straight, resumed = rows(live / "replay-ppo-none"), rows(live / "resume-ppo-c")
     assert [x["step"] for x in rows(live / "resume-ppo-b")] == [1] and [x["step"] for x in resumed] == [2]
     for k, v in straight[1].items():  # the critic was restored too: its values feed GAE and the loss
@@ -239,6 +249,7 @@ def test_resume_continues_exactly(live):
     assert [x["step"] for x in b] == [1, 2, 3]  # stopped at the step boundary after SIGTERM
     assert json.loads((live / "resume-b" / "state.json").read_text())["step"] == 3
     assert [x["step"] for x in c] == [4]
+    assert any(x["advantages/abs_mean"] > 0 for x in a[2:]), "resumed steps must have a policy gradient"
     skip = ("time/", "perf/", "sync/seconds")
     for ra, rc in zip(a[3:], c, strict=True):
         for k, v in ra.items():

@@ -286,6 +286,59 @@ def apply() -> bool:
     mappings._gather_along_first_dim = _gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
+    # P10 distributed-optimizer checkpoints with torch's Adam (no Apex / Transformer Engine, so
+    #    ``HAVE_APEX_OR_TE`` is False: always on CPU). Two 0.16.1 gaps in optimizer/distrib_optimizer.py:
+    #    (a) ``state_dict`` (:641) asserts that the per-parameter Adam state holds a 'step', so a
+    #        never-stepped optimizer (a resume in a new process) cannot build the sharded state dict
+    #        it loads into. Give it zero state and step 0 first: what Adam would create lazily on its
+    #        first step (so a later first step is unchanged), and overwritten by any load.
+    #    (b) ``load_state_dict`` puts the param groups' step into every parameter's state (:826); the
+    #        fully_reshardable / fully_sharded_model_space loaders skip 'step' in what they read, but
+    #        ``_set_main_param_and_optimizer_states`` (:938) copies every key of the destination
+    #        -> KeyError 'step'. Copy only what the loader provides; the step is already restored.
+    #    (c) that restored step is *one* tensor shared by every parameter's state (:826); torch's Adam
+    #        increments each parameter's step in place, so after a load the first step counts it once
+    #        per parameter and the bias corrections go wrong (a resumed run drifts: measured 0.8x of
+    #        the update off). Give every parameter its own copy.
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if not dopt.HAVE_APEX_OR_TE:
+        original_state_dict = dopt.DistributedOptimizer.state_dict
+        original_set_states = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+        def _state_dict(self: Any) -> Any:
+            inner = self.optimizer
+            if not inner.state and self.init_state_fn is not None:
+                self.init_state_fn(inner, self.config)
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        inner.state[p]["step"] = torch.tensor(0.0)
+            return original_state_dict(self)
+
+        def _set_states(self: Any, model_param: Any, tensors: dict) -> None:
+            if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return original_set_states(self, model_param, tensors)
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
+            try:
+                original_set_states(self, model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        original_load_state_dict = dopt.DistributedOptimizer.load_state_dict
+
+        def _load_state_dict(self: Any, state_dict: Any) -> None:
+            original_load_state_dict(self, state_dict)
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+
+        dopt.DistributedOptimizer.state_dict = _state_dict  # type: ignore[method-assign]
+        dopt.DistributedOptimizer.load_state_dict = _load_state_dict  # type: ignore[method-assign]
+        dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_states  # type: ignore[method-assign]
+
     # P11 activation recompute (training.activation_recompute; MoE routing replay's REPLAY_BACKWARD):
     #     tensor_parallel/random.py CheckpointFunction.backward re-runs the layer's forward inside
     #     autograd's backward, where the P4 mode is not active (torch function modes are not carried

@@ -46,6 +46,7 @@ import os
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from megatron_acrl.megatron.loss_adapter import LossFn, ValueLossAdapter  # noqa: E402
 from megatron_acrl.megatron.model import build_model_chunks, unwrap  # noqa: E402
-from megatron_acrl.megatron.trainer import MegatronModel  # noqa: E402
+from megatron_acrl.megatron.trainer import MegatronModel, save_step_atomically  # noqa: E402
 
 __all__ = ["HEAD_NAME", "HF_HEAD_NAME", "VALUE_KEYS", "Critic", "ValueHead"]
 
@@ -197,19 +198,40 @@ class Critic(MegatronModel):
             return w.normal_(0.0, self.config.init_method_std, generator=g)
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints: critic_rank_<r>.pt inside the policy's step directory
+    # Checkpoints: a distributed checkpoint in the step directory's critic/
     # ----------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | os.PathLike, step: int | None = None) -> Path:
-        """Write this rank's state to ``directory/step_<n>/critic_rank_<r>.pt`` (all ranks call it).
+    ckpt_kind = "critic"
 
-        ``n`` is ``step`` (pass the policy's step so both land in one directory) or the critic's own
-        step. Call it *before* ``Trainer.save_checkpoint``, whose ``latest.json`` commits the step.
+    def _chunk_sharded_state_dict(self, chunk: torch.nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
+        """GPTModel's sharded state dict with the value head as a plain replicated tensor.
+
+        On the last stage ``LanguageModule.sharded_state_dict`` post-processes the vocab projection
+        ``output_layer.weight`` (padding tolerance), which the critic does not have (its head is
+        ``output_layer.score.weight``: KeyError). With ``post_process`` off for the call that step
+        is skipped; every child, the head included, is still collected by the generic
+        ``MegatronModule`` walk, the head as a tensor replicated over TP and DP.
         """
-        return self._save_rank_file(directory, "critic_", step)
+        gpt = unwrap(chunk)
+        post_process = gpt.post_process
+        gpt.post_process = False
+        try:
+            return gpt.sharded_state_dict(metadata=meta)
+        finally:
+            gpt.post_process = post_process
+
+    def save_checkpoint(self, directory: str | os.PathLike, step: int | None = None) -> Path:
+        """Write ``directory/step_<n>/critic`` on its own and commit it (all ranks call it).
+
+        ``n`` is ``step`` or the critic's own step. In a PPO run the driver instead passes
+        ``lambda d: critic.save_dist(d / "critic")`` to ``Trainer.save_checkpoint``, so policy,
+        critic and driver state are committed together.
+        """
+        n = self.step if step is None else step
+        return save_step_atomically(directory, n, [lambda d: self.save_dist(d / self.ckpt_kind)])
 
     def load_checkpoint(self, directory: str | os.PathLike, step: int | None = None) -> bool:
-        """Load ``critic_rank_<r>.pt`` from ``step_<step>`` or, by default, from the directory
-        ``latest.json`` names. Returns False without ``latest.json``; raises FileNotFoundError if the
-        checkpoint has no critic state (e.g. it was written by a GRPO run)."""
-        return self._load_rank_file(directory, "critic_", step)
+        """Load ``critic/`` of ``step_<step>`` or, by default, of the step ``latest.json`` names, under
+        any layout. Returns False without ``latest.json``; raises FileNotFoundError if the checkpoint
+        has no critic state (e.g. it was written by a GRPO run)."""
+        return self._load_latest(directory, step)

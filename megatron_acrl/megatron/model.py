@@ -52,12 +52,16 @@ def use_transformer_engine() -> bool:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Vocab rows allocated in Megatron: a multiple of ``divisible_by * tp`` (Megatron-LM's rule).
+    """Vocab rows allocated in Megatron: a multiple of ``lcm(divisible_by, tp)``.
 
-    The padded rows are never targets; the fused log-prob masks their logits to -inf so the
+    Not Megatron-LM's ``divisible_by * tp``: that makes the embedding's global shape depend on TP,
+    and a distributed checkpoint could then not be loaded under another TP size (the global shapes
+    of the embedding, output layer and their optimizer state must match). With the lcm the padding
+    is the same for every TP that divides ``divisible_by`` (1, 2, 4, 8, ...), and still a multiple
+    of TP. The padded rows are never targets; the fused log-prob masks their logits to -inf so the
     distribution equals the HF/SGLang one over ``vocab_size`` entries, whatever the TP size.
     """
-    multiple = divisible_by * tp
+    multiple = math.lcm(divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_acrl.config import Config, ParallelConfig
+from megatron_acrl.config import Config, ConfigError, ParallelConfig
 from megatron_acrl.megatron import cpu_compat
 from megatron_acrl.megatron.model import (
     build_model_chunks,
@@ -38,7 +39,15 @@ from megatron_acrl.megatron.model import (
 
 cpu_compat.apply()
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -66,7 +75,7 @@ from megatron_acrl.megatron.routing_replay import (  # noqa: E402
 )
 from sglang_bridge import convert  # noqa: E402
 
-__all__ = ["MegatronModel", "Trainer", "initialize_parallel"]
+__all__ = ["MegatronModel", "Trainer", "initialize_parallel", "resolve_step_dir", "save_step_atomically"]
 
 TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages")
 
@@ -465,37 +474,92 @@ class MegatronModel:
                 param.copy_(full)
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints (per rank; resume with the same layout)
+    # Checkpoints: Megatron distributed checkpoints (torch_dist), reshardable over TP/PP/EP/DP
     # ----------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's training state: model shards, optimizer, LR schedule, step, layout."""
-        opt_param_state = [
-            o.get_parameter_state_dp_reshardable()
-            for o in _leaf_optimizers(self.optimizer)
-            if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
+    ckpt_kind = "policy"
+    """Subdirectory of a step directory holding this model's distributed checkpoint."""
+
+    def _sharded_metadata(self) -> dict[str, Any]:
+        """Metadata steering ``sharded_state_dict`` of the model and the optimizer."""
         return {
-            "model": [unwrap(c).state_dict() for c in self.model],
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_param_state": opt_param_state,
+            # The distributed optimizer's state in the canonical per-parameter layout (gathered
+            # over DP on save, sliced on load), so it reshards over TP, PP, EP and DP like the
+            # weights. 'dp_reshardable' would be fully parallel but tied to this TP x PP layout.
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "chained_optim_avoid_prefix": True,
+            "singleton_local_shards": False,
+            "dp_cp_group": self.pg.dp_cp,
+        }
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """This rank's training state for ``dist_checkpointing``: ShardedTensors of the model
+        chunks (global names and offsets, so any layout can read them) and of the optimizer state;
+        the LR schedule, step and :meth:`_checkpoint_meta` are common state (written by rank 0)."""
+        meta = self._sharded_metadata()
+        # Chunk keys are only containers: tensors are matched by their global ShardedTensor keys
+        # (layer numbers with the pipeline offset applied), so VPP <-> no-VPP loads work too.
+        model = {f"chunk{i}": self._chunk_sharded_state_dict(c, meta) for i, c in enumerate(self.model)}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=meta),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            "acrl_meta": self._checkpoint_meta(),
+        }
+
+    def _chunk_sharded_state_dict(self, chunk: torch.nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
+        """One model chunk's sharded state dict (subclasses with another head adapt it)."""
+        return unwrap(chunk).sharded_state_dict(metadata=meta)
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be loadable: the tensors' global shapes and dtypes
+        (model fields), the optimizer format and the model kind; the layout is informational."""
+        m = self.cfg.model
+        return {
+            "kind": self.ckpt_kind,
+            "model": {k: getattr(m, k) for k in _CHECKPOINT_MODEL_FIELDS},
+            "distributed_optimizer": self.cfg.parallel.distributed_optimizer,
+            # Megatron chains a second optimizer for expert-parallel parameters; the optimizer's
+            # common state is one entry per chained optimizer, so the count must not change.
+            "optimizers": len(getattr(self.optimizer, "chained_optimizers", [self.optimizer])),
             "layout": self._layout(),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same parallel layout)."""
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint layout {state['layout']} != this run's {self._layout()}")
-        for chunk, sd in zip(self.model, state["model"], strict=True):
-            unwrap(chunk).load_state_dict(sd)
+    def save_dist(self, path: str | os.PathLike) -> None:
+        """Write this model's distributed checkpoint into ``path`` (all ranks call it).
+
+        ``torch_dist`` backend (``torch.distributed.checkpoint`` files, fsynced); replicated shards
+        are spread over the DP ranks (fully parallel save), each shard is written once.
+        """
+        path = Path(path)
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy(CHECKPOINT_BACKEND), self.pg.dp_cp
+        )
+        dist_checkpointing.save(self.sharded_state_dict(), str(path), strategy)
+
+    def load_dist(self, path: str | os.PathLike) -> None:
+        """Load a distributed checkpoint written by :meth:`save_dist` under any TP/PP/VPP/EP/DP layout.
+
+        Raises ConfigError naming every mismatched model field when the checkpoint belongs to
+        another model (before any tensor is read, instead of a shape error deep in the loader).
+        """
+        path = Path(path)
+        self._check_compatible(path)
+        strategy = FullyParallelLoadStrategyWrapper(
+            get_default_load_sharded_strategy(str(path)), self.pg.dp_cp
+        )
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(path), strategy)
+        for i, chunk in enumerate(self.model):
+            missing, unexpected = unwrap(chunk).load_state_dict(state["model"][f"chunk{i}"], strict=False)
+            # Only Megatron's (empty, local-spec) ``_extra_state`` entries may be absent.
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"{path}: chunk {i} missing {missing[:5]}, unexpected {unexpected[:5]}")
         self.optimizer.load_state_dict(state["optimizer"])
-        leaves = [
-            o for o in _leaf_optimizers(self.optimizer) if hasattr(o, "get_parameter_state_dp_reshardable")
-        ]
-        for o, s in zip(leaves, state["optimizer_param_state"], strict=True):
-            o.load_parameter_state_from_dp_reshardable(s)
         # No reload_model_params() here: the bf16 optimizer's load_state_dict has just restored the
         # fp32 main params, and copying the bf16 model params over them would round them to bf16
         # (a resumed bf16 run then drifts from the uninterrupted one); fp32 models have no copy.
@@ -503,29 +567,55 @@ class MegatronModel:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
 
-    def _save_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> Path:
-        """Write this rank's :meth:`state_dict` to ``directory/step_<n>/<prefix>rank_<r>.pt`` (n is
-        ``step`` or this model's own step; all ranks call it; returns after a barrier)."""
-        path = Path(directory) / f"step_{self.step if step is None else step:08d}"
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), path / f"{prefix}rank_{dist.get_rank():05d}.pt")
-        dist.barrier()
-        return path
+    def _check_compatible(self, path: Path) -> None:
+        if not (path / "metadata.json").exists():
+            raise FileNotFoundError(
+                f"{path} is not a distributed checkpoint (no metadata.json): the step directory is "
+                f"incomplete or has no {self.ckpt_kind} state (a PPO critic needs a checkpoint of a PPO run)"
+            )
+        saved = dist_checkpointing.load_common_state_dict(str(path)).get("acrl_meta")
+        if saved is None:
+            raise ConfigError([("training.checkpoint_dir", f"{path} was not written by megatron-acrl")])
+        mine = self._checkpoint_meta()
+        hint = (
+            "set it to the checkpoint's value to resume, or point training.checkpoint_dir at a new "
+            "directory (or set training.resume=false) to start fresh"
+        )
+        errors = [
+            (f"model.{k}", f"checkpoint {path} has {saved['model'].get(k)!r}, this run {v!r}; {hint}")
+            for k, v in mine["model"].items()
+            if saved["model"].get(k) != v
+        ]
+        if saved["distributed_optimizer"] != mine["distributed_optimizer"]:
+            errors.append(
+                (
+                    "parallel.distributed_optimizer",
+                    f"checkpoint {path} has {saved['distributed_optimizer']}, this run "
+                    f"{mine['distributed_optimizer']} (optimizer state formats differ); {hint}",
+                )
+            )
+        if saved.get("optimizers", mine["optimizers"]) != mine["optimizers"]:
+            errors.append(
+                (
+                    "parallel.ep",
+                    f"checkpoint {path} was written with {saved['optimizers']} chained optimizer(s) "
+                    f"(layout {saved['layout']}), this run has {mine['optimizers']}: Megatron gives "
+                    "expert parameters their own optimizer only under expert parallelism, so EP=1 and "
+                    "EP>1 checkpoints do not exchange optimizer state; keep parallel.ep on the same side "
+                    "of 1, or export the weights (--export-hf) and start from them with model.hf_path",
+                )
+            )
+        if saved["kind"] != mine["kind"]:
+            errors.append(("", f"{path} holds a {saved['kind']} model, not a {mine['kind']}"))
+        if errors:
+            raise ConfigError(errors)
 
-    def _load_rank_file(self, directory: str | os.PathLike, prefix: str, step: int | None = None) -> bool:
-        """Load ``<prefix>rank_<r>.pt`` of ``step_<step>`` or, with ``step=None``, of the directory
-        ``latest.json`` names (False when there is none)."""
-        if step is None:
-            latest = Path(directory) / "latest.json"
-            if not latest.exists():
-                return False
-            sub = json.loads(latest.read_text())["dir"]
-        else:
-            sub = f"step_{step:08d}"
-        path = Path(directory) / sub / f"{prefix}rank_{dist.get_rank():05d}.pt"
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: checkpoint {sub} is incomplete or lacks this model")
-        self.load_state_dict(torch.load(path, weights_only=False))
+    def _load_latest(self, directory: str | os.PathLike, step: int | None) -> bool:
+        """Load ``<step dir>/<ckpt_kind>`` of ``step`` or of the one ``latest.json`` names."""
+        found = resolve_step_dir(directory, step)
+        if found is None:
+            return False
+        self.load_dist(found / self.ckpt_kind)
         return True
 
     def _layout(self) -> dict[str, Any]:
@@ -845,52 +935,159 @@ class Trainer(MegatronModel):
                 q.copy_(p)
 
     # ----------------------------------------------------------------------------------------
-    # Checkpoints (per rank; resume with the same layout)
+    # Checkpoints (distributed; see MegatronModel and save_step_atomically)
     # ----------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's full training state: model shards, optimizer, LR schedule, controller, step."""
-        state = super().state_dict()
-        state["ref_model"] = [unwrap(c).state_dict() for c in self.ref_model] if self.ref_model else None
+    def sharded_state_dict(self, is_loading: bool = False) -> dict[str, Any]:
+        """:meth:`MegatronModel.sharded_state_dict` plus the ACRL controller (common state: it is
+        identical on every rank). The reference model is not saved: it is the initial weights,
+        reloaded by ``load_hf`` when the run starts."""
+        state = super().sharded_state_dict(is_loading)
         state["controller"] = self.controller.state_dict() if self.controller is not None else None
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same parallel layout)."""
-        super().load_state_dict(state)
-        if self.ref_model is not None and state["ref_model"] is not None:
-            for chunk, sd in zip(self.ref_model, state["ref_model"], strict=True):
-                unwrap(chunk).load_state_dict(sd)
-        if self.controller is not None and state["controller"] is not None:
-            self.controller.load_state_dict(state["controller"])
+    def load_dist(self, path: str | os.PathLike) -> None:
+        """:meth:`MegatronModel.load_dist` plus the controller."""
+        super().load_dist(path)
+        if self.controller is not None:
+            saved = dist_checkpointing.load_common_state_dict(str(path)).get("controller")
+            if saved is not None:
+                self.controller.load_state_dict(saved)
 
-    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """Write this rank's state to ``directory/step_<n>/rank_<r>.pt`` (all ranks call it), then
-        ``latest.json`` -- the commit point, so it must stay the last thing written: other state of the
-        step (the driver's, the critic's) is saved into ``step_<n>/`` before this call.
+    def save_checkpoint(
+        self, directory: str | os.PathLike, also: Sequence[Callable[[Path], None]] = ()
+    ) -> Path:
+        """Write ``directory/step_<n>/policy`` (all ranks call it) and commit the step.
 
-        ``latest.json`` is replaced atomically (a temporary file, fsync, ``os.replace``): a crash
-        mid-write leaves the previous, complete checkpoint as the one that resumes.
+        ``also`` are writers of the step's other state (the driver's, the critic's), called with
+        the temporary step directory before the commit, so one commit covers all of them; see
+        :func:`save_step_atomically`.
         """
-        path = self._save_rank_file(directory, "")
-        if dist.get_rank() == 0:
-            latest = Path(directory) / "latest.json"
-            tmp = latest.with_name(f".latest.json.tmp-{os.getpid()}")
-            with open(tmp, "w") as f:
-                f.write(json.dumps({"step": self.step, "dir": path.name}))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, latest)
-        dist.barrier()
-        return path
+        return save_step_atomically(
+            directory, self.step, [lambda d: self.save_dist(d / self.ckpt_kind), *also]
+        )
 
     def load_checkpoint(self, directory: str | os.PathLike) -> bool:
         """Resume from ``directory/latest.json`` if present; returns whether a checkpoint was loaded."""
-        return self._load_rank_file(directory, "")
+        return self._load_latest(directory, None)
 
 
-def _leaf_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+CHECKPOINT_BACKEND = "torch_dist"
+
+_CHECKPOINT_MODEL_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "tie_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_ffn_hidden_size",
+    "params_dtype",
+)
+"""Model fields that fix a checkpointed tensor's global shape or dtype (or its presence)."""
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root``): what rank 0 wrote (common
+    state, metadata, the driver's file) is otherwise only in the page cache; the ``.distcp`` shards
+    were fsynced by their writers already, a second fsync costs nothing."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, step: int, name: str) -> None:
+    latest = root / "latest.json"
+    tmp = root / f".latest.json.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": step, "dir": name}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+    _fsync_dir(root)
+
+
+def save_step_atomically(
+    directory: str | os.PathLike, step: int, writers: Sequence[Callable[[Path], None]]
+) -> Path:
+    """Write a checkpoint of ``step`` so that a crash at any point leaves the last good one loadable.
+
+    Every rank calls it. The writers fill ``directory/.tmp-step_<n>/`` (each is called on every
+    rank with that path); then rank 0 fsyncs the tree, renames it to ``step_<n>/`` and replaces
+    ``latest.json`` (temporary file, fsync, ``os.replace``, fsync of the directory): the commit
+    point. A crash before the rename leaves only a ``.tmp-`` directory (removed by the next save);
+    one between the rename and ``latest.json`` leaves an uncommitted ``step_<n>/`` that
+    ``latest.json`` does not name (replaced by the next save of that step). Returns ``step_<n>/``.
+    """
+    root = Path(directory)
+    final, tmp = root / _step_name(step), root / f".tmp-{_step_name(step)}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        if tmp.exists():  # a crashed save of the same step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    for write in writers:
+        write(tmp)
+    dist.barrier()  # every rank's files are complete
+    if rank0:
+        _fsync_tree(tmp)
+        trash = None
+        if final.exists():  # saved before (uncommitted, or committed and now superseded)
+            trash = root / f".trash-{final.name}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.rename(final, trash)  # resolve_step_dir falls back to it until the next rename
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_latest(root, step, final.name)
+        if trash is not None:
+            shutil.rmtree(trash)
+    dist.barrier()
+    return final
+
+
+def resolve_step_dir(directory: str | os.PathLike, step: int | None = None) -> Path | None:
+    """``directory/step_<step>`` or, with ``step=None``, the step directory ``latest.json`` names
+    (None when there is no ``latest.json``: nothing was ever committed there)."""
+    root = Path(directory)
+    if step is None:
+        latest = root / "latest.json"
+        if not latest.exists():
+            return None
+        name = json.loads(latest.read_text())["dir"]
+    else:
+        name = _step_name(step)
+    found = root / name
+    if not found.exists() and (root / f".trash-{name}").exists():
+        return root / f".trash-{name}"  # a crash mid-replacement of the same step (see above)
+    if not found.exists():
+        raise FileNotFoundError(f"{found} is missing: checkpoint {name} was removed or never committed")
+    return found
 
 
 def _hf_getter(source: str | os.PathLike | Mapping[str, torch.Tensor]):  # noqa: ANN202
