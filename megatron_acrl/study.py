@@ -461,7 +461,9 @@ def _steps(results: list[ArmResult]) -> int:
     return max(len(r) for a in results for r in a.rows) if results else 0
 
 
-def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None) -> Path:
+def write_report(
+    grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None, note: str = ""
+) -> Path:
     """REPORT.md and PNGs in ``report_dir`` from the finished runs under ``out``."""
     report_dir.mkdir(parents=True, exist_ok=True)
     run_walls, starts, ends = [], [], []
@@ -485,6 +487,8 @@ def write_report(grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: flo
         "rollout sees FP8 weight rounding, not FP8 activations or KV cache.",
         "",
     ]
+    if note:
+        lines += [f"**How this report was run.** {note}", ""]
     wall_file = out / "study_wall.json"
     if wall_s is None and wall_file.exists():  # --report-only: the wall time of the run that made them
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -563,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/study", help="where the runs go (finished runs are reused)")
     ap.add_argument("--report", default="docs/study", help="where REPORT.md and the plots go")
     ap.add_argument("--report-only", action="store_true", help="write the report from finished runs")
+    ap.add_argument("--note", default="", help="a paragraph for the top of the report (how it was run)")
     ap.add_argument(
         "--seeds",
         type=int,
@@ -602,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "study_wall.json").write_text(
             json.dumps({"wall_s": wall, "grids": [g.name for g in grids], "jobs": args.jobs}) + "\n"
         )
-    report = write_report(grids, out, Path(args.report), None if args.report_only else wall)
+    report = write_report(grids, out, Path(args.report), None if args.report_only else wall, note=args.note)
     print(f"study report: {report}")
     print(f"study: total wall time {wall / 60:.1f} min", flush=True)
     return 0
