@@ -445,7 +445,7 @@ def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Pa
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
         if key.startswith(("mismatch/k3", "mismatch/chi2")):
             ax.set_yscale("symlog", linthresh=1e-5)
-        ax.set_title(f"{grid.title}: {title}", fontsize=9)
+        ax.set_title(f"{grid.name}: {title}", fontsize=9)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
