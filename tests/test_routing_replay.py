@@ -1,7 +1,7 @@
 """MoE routing replay (R3/R2) pieces that need no process group: token order, replay semantics on
 Megatron's real routing function, mismatch metrics, the rollout batch, the client decoder, config
 validation and the SGLang CPU allocator hook. The multi-rank and real-server proofs are in
-``tests/test_megatron_layouts.py`` (layouts) and ``tests/bridge/test_routing_replay.py`` (SGLang)."""
+``tests/test_megatron_layouts.py`` (layouts) and ``tests/bridge/test_r3_server.py`` (SGLang)."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_cpu_allocator_hook_in_a_child(tmp_path):
 
     A stand-in ``sglang.srt.mem_cache.pool_host.common`` keeps this fast (importing SGLang takes
     minutes on a loaded 2-core machine); the real module is exercised by the server started with
-    ``--enable-return-routed-experts`` in ``tests/bridge/test_routing_replay.py``.
+    ``--enable-return-routed-experts`` in ``tests/bridge/test_r3_server.py``.
     """
     pkg = tmp_path / "sglang" / "srt" / "mem_cache" / "pool_host"
     pkg.mkdir(parents=True)
