@@ -341,6 +341,8 @@ class ArmResult:
     eval_acc: list[float]
     k3: list[float]
     rows: list[list[dict]]
+    seeds: list[int] = field(default_factory=list)
+    """The finished seeds, in the order of the lists above."""
 
     @property
     def last20_ms(self) -> tuple[float, float]:
@@ -371,22 +373,30 @@ def collect(grid: Grid, out: Path) -> list[ArmResult]:
                 ],
                 k3=[summarize(r, "mismatch/k3_kl")["last20"] for r in runs],
                 rows=runs,
+                seeds=seeds,
             )
         )
     return results
 
 
 def _cmp(a: ArmResult, b: ArmResult, strict: bool) -> str:
-    """``a`` vs ``b`` on mean-of-last-20% reward, with the numbers and the per-seed wins."""
-    (ma, sa), (mb, sb) = a.last20_ms, b.last20_ms
+    """``a`` vs ``b`` on mean-of-last-20% reward over the seeds both finished (paired by seed), with
+    the numbers and the per-seed wins; fewer than 3 common seeds is said to be no result over seeds."""
+    sa_, sb_ = a.seeds or list(range(len(a.last20))), b.seeds or list(range(len(b.last20)))
+    common = [s for s in sa_ if s in sb_]
+    xa = [a.last20[sa_.index(s)] for s in common]
+    xb = [b.last20[sb_.index(s)] for s in common]
+    if not common:
+        return f"`{a.arm}` vs `{b.arm}`: **no common finished seed**, no comparison"
+    (ma, sa), (mb, sb) = _ms(xa), _ms(xb)
     ok = ma > mb if strict else ma >= mb
-    pairs = list(zip(a.last20, b.last20, strict=False))
-    wins = sum(x > y if strict else x >= y for x, y in pairs)
+    wins = sum(x > y if strict else x >= y for x, y in zip(xa, xb, strict=True))
     sign = ">" if strict else ">="
+    few = "" if len(common) >= 3 else f"; only {len(common)} common seed(s): not a result over seeds"
     return (
         f"`{a.arm}` {ma:.3f} +- {sa:.3f} vs `{b.arm}` {mb:.3f} +- {sb:.3f}: "
-        f"**{'yes' if ok else 'no'}** ({sign} holds on the mean; difference {ma - mb:+.3f}; "
-        f"{wins}/{len(pairs)} seeds, seed i vs seed i)"
+        f"**{'yes' if ok else 'no'}** (difference {ma - mb:+.3f}; {sign} on {wins}/{len(common)} seeds, "
+        f"paired by seed{few})"
     )
 
 

@@ -64,7 +64,8 @@ def test_summarize_flags_collapse():
 
 
 def _arm(name: str, method: str, quant: str, last20: list[float]) -> ArmResult:
-    return ArmResult(name, method, quant, last20, last20, [False] * len(last20), [], [], [])
+    seeds = list(range(1, len(last20) + 1))
+    return ArmResult(name, method, quant, last20, last20, [False] * len(last20), [], [], [], seeds=seeds)
 
 
 def test_verdict_states_the_goal_with_numbers(tmp_path):
@@ -82,8 +83,12 @@ def test_verdict_states_the_goal_with_numbers(tmp_path):
     ]
     text = "\n".join(verdict(grid, results))
     assert "ACRL >= BF16 rollout: `a` 0.600 +- 0.000 vs `b` 0.600 +- 0.100: **yes**" in text
-    assert "ACRL > TIS: `a` 0.600 +- 0.000 vs `t` 0.700 +- 0.100: **no**" in text
+    assert "ACRL > TIS: `a` 0.600 +- 0.000 vs `t` 0.700 +- 0.100: **no** (difference -0.100; > on 0/3" in text
     assert "ACRL > MIS: `a` 0.600 +- 0.000 vs `m` 0.200 +- 0.100: **yes**" in text
+    # seeds are paired: an arm with fewer finished seeds is compared on the common ones only
+    short = ArmResult("a", "acrl", "fp8_block", [0.6], [0.6], [False], [], [], [], seeds=[2])
+    line = verdict(grid, [results[0], short])[0]
+    assert "`a` 0.600 +- 0.000 vs `b` 0.600 +- 0.000: **yes**" in line and "only 1 common seed" in line
 
 
 def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
