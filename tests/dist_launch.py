@@ -84,3 +84,19 @@ def launch(
             )
             raise RuntimeError(f"scenario {scenario!r} on {world_size} ranks: {failed}\n{tails}")
         return [torch.load(Path(out) / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def update_mismatches(ref: dict, got: dict) -> list[str]:
+    """Parameters whose first optimizer update differs from the reference beyond fp32 rounding.
+
+    ``ref``/``got`` hold ``init`` and ``after`` dicts of full (gathered) parameters by name.
+    """
+    bad = []
+    for name, after in ref["after"].items():
+        delta_ref = after - ref["init"][name]  # ~ -grad (first Adam step, eps >> |g|)
+        delta = got["after"][name] - ref["init"][name]
+        scale = delta_ref.abs().max().item()
+        err = (delta - delta_ref).abs().max().item()
+        if err > 1e-4 * max(scale, 1e-3):
+            bad.append(f"update of {name}: max err {err:.2e} (|grad| {scale:.2e})")
+    return bad

@@ -435,11 +435,12 @@ def scenario_logprobs(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] | None = None) -> None:
+    """Run ``scenario_<argv[1]>`` from ``scenarios`` (default: this module's) on this gloo rank."""
     scenario, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo")
     try:
-        result = globals()[f"scenario_{scenario}"](args)
+        result = (scenarios or globals())[f"scenario_{scenario}"](args)
         torch.save(result, out_dir / f"rank_{dist.get_rank()}.pt")
     except Exception:
         traceback.print_exc()

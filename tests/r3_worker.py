@@ -11,17 +11,12 @@ and on (R3), under EP and TP+SP, plus the negative controls.
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from megatron_acrl.megatron import cpu_compat  # noqa: E402
 
@@ -165,19 +160,5 @@ def scenario_sglang(args: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    scenario, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
-    dist.init_process_group("gloo")
-    try:
-        result = globals()[f"scenario_{scenario}"](args)
-        torch.save(result, out_dir / f"rank_{dist.get_rank()}.pt")
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    mw.main(globals())

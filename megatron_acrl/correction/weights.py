@@ -72,6 +72,12 @@ def _log_bounds(low: float, high: float) -> tuple[float, float]:
 _DISTANCE_ROW = {"prob_abs": "prob_abs", "logprob_abs": "logprob_abs", "k3": "k3"}
 
 
+def _distance_row(distance: str) -> str:
+    if distance not in _DISTANCE_ROW:
+        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
+    return _DISTANCE_ROW[distance]
+
+
 def _shared(logp: Tensor | None, logq: Tensor | None, mask: Tensor | None, shared: MismatchTensors | None):
     return shared if shared is not None else MismatchTensors(logp, logq, mask)  # type: ignore[arg-type]
 
@@ -94,10 +100,9 @@ def sequence_discrepancy(
     Returns:
         ``(y [B] float64, valid [B] bool)``; ``y`` is 0 for sequences with no valid token.
     """
-    if distance not in _DISTANCE_ROW:
-        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
+    row = _distance_row(distance)
     sh = _shared(logp, logq, mask, shared)
-    return sh.seq_mean(_DISTANCE_ROW[distance]), sh.valid
+    return sh.seq_mean(row), sh.valid
 
 
 def acrl_discrepancy_stats(
@@ -114,10 +119,9 @@ def acrl_discrepancy_stats(
         ``[2]`` float64: (sum over valid local sequences of Y_i, number of valid local sequences).
         ``Y = stats[0] / stats[1]`` after the all-reduce over data-parallel ranks.
     """
-    if distance not in _DISTANCE_ROW:
-        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
+    row = _distance_row(distance)
     sh = _shared(logp, logq, mask, shared)
-    return torch.stack([sh.seq_mean(_DISTANCE_ROW[distance]), sh.valid_f]).sum(-1)
+    return torch.stack([sh.seq_mean(row), sh.valid_f]).sum(-1)
 
 
 def acrl_alpha(
