@@ -1,5 +1,6 @@
 """Mismatch metrics, correction weights and the ACRL controller: pure torch, no Megatron import."""
 
+from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.acrl import AcrlController
 from megatron_acrl.correction.metrics import (
     MismatchTensors,
@@ -31,6 +32,7 @@ __all__ = [
     "combine_partials",
     "compute_correction",
     "finalize_metrics",
+    "fused_cpu",
     "mismatch_metrics",
     "reduce_kind",
     "row_sums",

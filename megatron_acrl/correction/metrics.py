@@ -115,15 +115,24 @@ class MismatchTensors:
     in one ``[K, B, T]`` buffer written in place and reduced once: on a micro-batch the correction
     is a few dozen small ops, and their number, not their size, is what it costs.
 
+    On CPU with float32 inputs the sums and extrema come from one fused C pass instead
+    (:mod:`~megatron_acrl.correction.fused_cpu`, ``fused=True``), and the per-token rows are only
+    built, by the PyTorch path, if something asks for them.
+
+    Args:
+        logp, logq: ``[B, T]`` log pi and log mu. mask: ``[B, T]`` response mask.
+        fused: use the fused CPU pass (None: whenever it applies; True: required; False: never).
+
     Attributes:
         mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: 0 on valid tokens,
             -inf on padding.
         log_ratio: ``[B, T]`` ``log rho = log pi - log mu``.
         clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
-        rho: ``[B, T]`` ``exp(clamped)`` (computed on first use).
+        rho: ``[B, T]`` ``exp(clamped)``.
         per_token: ``[K, B, T]`` rows named by :attr:`ROWS`.
-        seq_sums: ``[K, B]`` float64 row sums over T (pairwise-summed in the input dtype, except
-            ``log_ratio``'s).
+        seq_sums: ``[K, B]`` float64 row sums over T (PyTorch path: pairwise-summed in the input
+            dtype, except ``log_ratio``'s; fused path: accumulated in float64).
+        extremes: ``[3]`` max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none).
         lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
         valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
     """
@@ -132,14 +141,35 @@ class MismatchTensors:
         "logp", "logq", "neg_log_ratio", "log_ratio", "prob_abs", "logprob_abs", "k3", "rho_sq_m1", "mask",
     )  # fmt: skip
 
-    def __init__(self, logp: Tensor, logq: Tensor, mask: Tensor):
+    def __init__(self, logp: Tensor, logq: Tensor, mask: Tensor, *, fused: bool | None = None):
+        from megatron_acrl.correction import fused_cpu
+
         m = mask if mask.dtype == torch.bool else mask.bool()
+        self.mask, self.logp, self.logq = m, logp.detach(), logq.detach()
+        usable = fused_cpu.usable(self.logp, self.logq, m)
+        if fused and not usable:
+            raise ValueError(
+                "MismatchTensors(fused=True) needs 2-D float32 CPU log-probs and a built "
+                "correction/_fused_cpu.c (see the log for why it did not build)"
+            )
+        self.fused = usable if fused is None else fused
+        if self.fused:
+            self.seq_sums, self.extremes = fused_cpu.mismatch_pass(self.logp, self.logq, m)
+        else:
+            self._token_rows()
+        self.lens = self.seq_sums[-1]
+        self.lens_c = self.lens.clamp_min(1)
+        self.valid_f = self.lens.clamp_max(1)
+
+    def _token_rows(self) -> None:
+        """The PyTorch path: every per-token row, and (unless fused) the sums and extrema from them."""
+        m, logp, logq = self.mask, self.logp, self.logq
         dtype, dev = torch.promote_types(logp.dtype, logq.dtype), logp.device
         zero = _const(0.0, dtype, dev)
         rows = torch.empty((len(self.ROWS), *m.shape), dtype=dtype, device=dev)
         lp, lq, nd, d, dp, ad, k3, chi, mf = rows.unbind(0)
-        torch.where(m, logp.detach(), zero, out=lp)
-        torch.where(m, logq.detach(), zero, out=lq)
+        torch.where(m, logp, zero, out=lp)
+        torch.where(m, logq, zero, out=lq)
         torch.sub(lp, lq, out=d)
         torch.sub(lq, lp, out=nd)  # k1 per token; its max is -min(log rho)
         probs = torch.exp(rows[:2])
@@ -151,16 +181,30 @@ class MismatchTensors:
         torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
         mf.copy_(m)
         # 0 on valid tokens, -inf on padding: x + pad is x masked for a max, x - pad for a min.
-        self.pad = torch.where(m, zero, _const(-math.inf, dtype, dev))
-        self.mask, self.mask_f, self.log_ratio, self.clamped, self._em1 = m, mf, d, dc, em1
-        self.per_token = rows
+        self._pad = torch.where(m, zero, _const(-math.inf, dtype, dev))
+        self._mask_f, self._log_ratio, self._clamped, self._em1 = mf, d, dc, em1
+        self._per_token = rows
+        if self.fused:
+            return
         self.seq_sums = rows.sum(-1).to(torch.float64)
         # chi2_seq is exp(2 * sum_t log rho): it amplifies any rounding of that sum, so it alone is
         # accumulated in float64 (a float64 cast of every row would cost more than all the rest).
         self.seq_sums[3] = d.sum(-1, dtype=torch.float64)
-        self.lens = self.seq_sums[-1]
-        self.lens_c = self.lens.clamp_min(1)
-        self.valid_f = self.lens.clamp_max(1)
+        if m.numel() == 0:
+            self.extremes = _const((-math.inf,) * 3, dtype, dev)
+        else:  # max(-log rho) = -min(log rho), max log rho, max |dp|: one masked reduction
+            self.extremes = (rows[2:5] + self._pad).amax((1, 2))
+
+    def _row_attr(self, name: str) -> Tensor:
+        if not hasattr(self, "_per_token"):
+            self._token_rows()
+        return getattr(self, name)
+
+    per_token = property(lambda self: self._row_attr("_per_token"))
+    log_ratio = property(lambda self: self._row_attr("_log_ratio"))
+    clamped = property(lambda self: self._row_attr("_clamped"))
+    mask_f = property(lambda self: self._row_attr("_mask_f"))
+    pad = property(lambda self: self._row_attr("_pad"))
 
     @functools.cached_property
     def valid(self) -> Tensor:
@@ -169,7 +213,7 @@ class MismatchTensors:
 
     @functools.cached_property
     def rho(self) -> Tensor:
-        return self._em1 + 1.0
+        return self._row_attr("_em1") + 1.0
 
     def row(self, name: str) -> int:
         return self.ROWS.index(name)
@@ -219,6 +263,13 @@ def mismatch_metrics(
         ``prob_abs_diff_max``, ``log_ratio_max``/``log_ratio_min``.
     """
     sh = shared if shared is not None else MismatchTensors(logp, logq, mask)  # type: ignore[arg-type]
+    if sh.fused:
+        from megatron_acrl.correction import fused_cpu
+
+        values = fused_cpu.mismatch_partials(sh.seq_sums, sh.extremes, num_tokens, num_seqs)
+        return {
+            prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None
+        }
     ss = sh.seq_sums
     f64, dev = ss.dtype, ss.device
     tok = ss[2:8].sum(-1) * _denominator(num_tokens, ss)
@@ -238,11 +289,7 @@ def mismatch_metrics(
     # chi2_seq: log E[(prod rho)^2] = logsumexp_i(2 * sum_t log rho) - log(num_seqs); no overflow.
     two_s = torch.log(sh.valid_f).add_(ss[3], alpha=2.0)  # -inf for empty sequences
     chi2_lse = torch.logsumexp(two_s, dim=0, keepdim=True) - _log_count(num_seqs, ss)
-    rows = sh.per_token
-    if sh.mask.numel() == 0:
-        ext = _const((-math.inf,) * 3, rows.dtype, dev)
-    else:  # max(-log rho) = -min(log rho), max log rho, max |dp|: one masked reduction
-        ext = (rows[2:5] + sh.pad).amax((1, 2))
+    ext = sh.extremes  # max(-log rho) = -min(log rho), max log rho, max |dp|
     ext = torch.cat([ext, ext[:2].amax(0, keepdim=True), -ext[:1]])
     values = torch.cat([tok, seq, chi2_lse, ext])
     return {prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None}

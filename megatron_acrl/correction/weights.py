@@ -30,6 +30,7 @@ from megatron_acrl.correction.metrics import (
     LOG_RATIO_BOUND,
     MismatchTensors,
     _const,
+    _denominator,
     row_sums,
     weight_metrics,
 )
@@ -174,6 +175,9 @@ def compute_correction(
         :class:`Correction` with detached ``weights`` ``[B, T]``.
     """
     sh = _shared(old_logprobs, rollout_logprobs, mask, shared)
+    plain_acrl = not (cfg.masks or cfg.veto_threshold is not None or cfg.batch_normalize)
+    if cfg.method == "acrl" and sh.fused and plain_acrl:  # one C pass (fused_cpu); same result
+        return _acrl_fused(cfg, sh, num_tokens=num_tokens, advantages=advantages, acrl=acrl)
     d, dc, m = sh.log_ratio, sh.clamped, sh.mask
     zero = _const(0.0, d.dtype, d.device)
     tok_rows: dict[str, Tensor] = {}  # [B, T] rows averaged over global tokens in one reduction
@@ -253,4 +257,38 @@ def compute_correction(
     weights = weights.detach()
     metrics = weight_metrics(weights, m, num_tokens=num_tokens, extra_token_rows=tok_rows, pad=sh.pad)
     metrics.update(row_sums({}, seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
+    return Correction(weights=weights, metrics=metrics)
+
+
+def _acrl_fused(
+    cfg: CorrectionConfig,
+    sh: MismatchTensors,
+    *,
+    num_tokens: int | Tensor,
+    advantages: Tensor | None,
+    acrl: AcrlSignal | None,
+) -> Correction:
+    """``compute_correction`` for plain ACRL (no masks, veto or batch normalisation) in one C pass.
+
+    Same weights and partial metrics as the PyTorch branch, which stays the reference
+    (``tests/test_fused_cpu.py``).
+    """
+    from megatron_acrl.correction import fused_cpu
+
+    if advantages is None or acrl is None:
+        raise ValueError("correction.method=acrl needs advantages and the controller's AcrlSignal")
+    if cfg.per_sequence_y:
+        y_i = sh.seq_mean(_DISTANCE_ROW[cfg.distance])
+        coef: Tensor | float = (1.0 - y_i / max(acrl.x, cfg.eps)) * cfg.gamma
+    else:
+        coef = cfg.gamma * (1.0 - acrl.y_over_x(cfg.eps))
+    weights, sums, ext = fused_cpu.acrl_weights(
+        sh.logp, sh.logq, sh.mask, advantages, coef,
+        alpha_max=cfg.alpha_max, weight_low=cfg.weight_low, weight_high=cfg.weight_high,
+    )  # fmt: skip
+    means = (sums * _denominator(num_tokens, sums)).unbind(0)
+    w_max, w_min = ext.unbind(0)
+    names = ("correction/weight_mean", "correction/weight_sq_mean", "acrl/alpha_mean", "acrl/alpha_abs_mean")
+    metrics = dict(zip(names, means, strict=True))
+    metrics["correction/weight_max"], metrics["correction/weight_min"] = w_max, w_min
     return Correction(weights=weights, metrics=metrics)
