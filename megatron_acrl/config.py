@@ -338,6 +338,11 @@ class RolloutConfig(_Section):
     """Stress emulation (fake-quant only): quantize the MoE router weights too (FP8 recipes keep them
     in bf16), so near-tie expert choices flip between trainer and rollout."""
 
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """KV cache of the rollout servers: auto (the model dtype) or fp8_e4m3 (SGLang's FP8 KV cache on
+    cuda; on cpu emulated in the bf16 cache, every K and V rounded through e4m3, since SGLang's CPU
+    FP8 cache needs Intel AMX kernels). Adds attention-side mismatch on top of the weights'."""
+
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
     """How generation pauses during a weight update: retract (requeue in-flight requests, KV recomputed
     with the new weights), abort (end them, finish_reason abort), in_place (keep their old KV cache)."""

@@ -119,6 +119,7 @@ class RolloutEngine:
             # Real FP8 on a GPU: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
             quantization="fp8" if self.device == "cuda" and r.quantization != "none" else None,
             return_routed_experts=routed_experts_topk(self.cfg) is not None,
+            kv_cache_dtype=r.kv_cache_dtype,
         )
         return SGLangServer(
             spec, self.log_dir / f"sglang_{i}.log", startup_timeout_s=r.startup_timeout_s, name=f"sglang[{i}]"

@@ -100,6 +100,11 @@ class ServerSpec:
     """Serve the experts each token was routed to (``--enable-return-routed-experts``; MoE models, for
     routing replay). Without it SGLang silently ignores ``return_routed_experts`` in requests."""
 
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """KV-cache dtype. ``fp8_e4m3``: SGLang's FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) on cuda; on
+    cpu, where SGLang offers it only with Intel AMX kernels, emulated in the bf16 cache by the
+    ``fp8_kv`` patch of :mod:`sglang_bridge.cpu_compat` (every K and V rounded through e4m3)."""
+
     extra_args: tuple[str, ...] = ()
     """Further ``launch_server`` flags, passed verbatim."""
 
@@ -149,11 +154,17 @@ class ServerSpec:
             cmd += ["--random-seed", str(self.random_seed)]
         if self.return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
         """The environment of the server process."""
-        env = server_env(self.device, routed_experts=self.return_routed_experts)
+        env = server_env(
+            self.device,
+            routed_experts=self.return_routed_experts,
+            fp8_kv_cache=self.kv_cache_dtype == "fp8_e4m3",
+        )
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         if self.original_logprobs:

@@ -13,9 +13,11 @@ Done once at install time by ``scripts/post_install.py`` (not here): the torchvi
 ``_meta_registrations.py`` guard, without which ``import torchvision`` (and so SGLang) fails on the
 CPU torch.
 
-4. Only for servers that return routed experts (R3, ``--enable-return-routed-experts``): the
-   ``r3_hook/sitecustomize.py`` import hook on ``PYTHONPATH``, which gives SGLang's routed-experts host
-   buffer a plain CPU allocator (SGLang would pin it with ``cudaHostRegister`` and die at start-up).
+4. Only for servers that need one, import-time patches (``hooks/sitecustomize.py`` on ``PYTHONPATH``,
+   selected by name in ``SGLANG_BRIDGE_CPU_HOOKS``): ``r3_alloc`` for servers that return routed experts
+   (R3, ``--enable-return-routed-experts``) gives SGLang's routed-experts host buffer a plain CPU
+   allocator (SGLang would pin it with ``cudaHostRegister`` and die at start-up); ``fp8_kv`` emulates
+   an FP8 (e4m3) KV cache, which SGLang's CPU engine only offers with Intel AMX kernels.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from pathlib import Path
 STAND_IN_DIR: Path = Path(__file__).resolve().parent / "stand_ins"
 """Directory holding the ``sgl_kernel`` stand-in package; prepended to the server's PYTHONPATH."""
 
-R3_HOOK_DIR: Path = Path(__file__).resolve().parent / "r3_hook"
-"""Directory holding the routed-experts allocator hook (``sitecustomize.py``); on the PYTHONPATH of CPU
-servers started with ``--enable-return-routed-experts`` only."""
+CPU_HOOK_DIR: Path = Path(__file__).resolve().parent / "hooks"
+"""Directory holding the import-time patches (``sitecustomize.py``); on the PYTHONPATH of CPU servers
+that ask for one (routed experts, emulated FP8 KV cache) only."""
+
+R3_HOOK_DIR: Path = CPU_HOOK_DIR
+"""The same directory, by the name the routed-experts code knows it."""
+
+HOOKS_ENV = "SGLANG_BRIDGE_CPU_HOOKS"
+"""Names of the patches a CPU server applies (comma-separated); set by :func:`server_env` only."""
 
 CPU_SERVER_ENV: dict[str, str] = {"SGLANG_USE_CPU_ENGINE": "1"}
 """Variables SGLang itself requires to run its CPU engine."""
@@ -54,13 +62,18 @@ LAUNCHER_VARS = frozenset(
 
 
 def server_env(
-    device: str, base: Mapping[str, str] | None = None, *, routed_experts: bool = False
+    device: str,
+    base: Mapping[str, str] | None = None,
+    *,
+    routed_experts: bool = False,
+    fp8_kv_cache: bool = False,
 ) -> dict[str, str]:
     """Environment for an SGLang server child process on ``device`` ("cpu" or "cuda").
 
     Starts from ``base`` (default: this process's environment). For ``cpu`` it adds the variables
-    above and the stand-in directory (and, with ``routed_experts``, the R3 allocator hook); for
-    ``cuda`` it leaves SGLang's real kernels alone.
+    above and the stand-in directory, and the patches asked for: ``routed_experts`` (the R3 allocator
+    fix) and ``fp8_kv_cache`` (the emulated FP8 KV cache). For ``cuda`` it leaves SGLang's real
+    kernels alone (there the FP8 KV cache is SGLang's own, ``--kv-cache-dtype fp8_e4m3``).
     """
     env = dict(os.environ if base is None else base)
     # A server started from a torchrun/srun rank would otherwise inherit the trainer's rendezvous
@@ -70,12 +83,24 @@ def server_env(
         if key in LAUNCHER_VARS or key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_")):
             del env[key]
     env["HF_HUB_OFFLINE"] = "1"
+    env.pop(HOOKS_ENV, None)  # only ever what this call asks for
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
+        hooks = [name for name, on in (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache)) if on]
         old = env.get("PYTHONPATH", "")
-        dirs = [str(R3_HOOK_DIR)] if routed_experts else []
+        dirs = [str(CPU_HOOK_DIR)] if hooks else []
         env["PYTHONPATH"] = os.pathsep.join([*dirs, str(STAND_IN_DIR)] + ([old] if old else []))
+        if hooks:
+            env[HOOKS_ENV] = ",".join(hooks)
     return env
 
 
-__all__ = ["CPU_SERVER_ENV", "LAUNCHER_VARS", "R3_HOOK_DIR", "STAND_IN_DIR", "server_env"]
+__all__ = [
+    "CPU_HOOK_DIR",
+    "CPU_SERVER_ENV",
+    "HOOKS_ENV",
+    "LAUNCHER_VARS",
+    "R3_HOOK_DIR",
+    "STAND_IN_DIR",
+    "server_env",
+]

@@ -1,0 +1,104 @@
+"""Import-time patches of SGLang 0.5.23 for CPU servers, each opted into by the bridge.
+
+Loaded as ``sitecustomize`` from this directory, which :func:`sglang_bridge.cpu_compat.server_env` puts
+on the PYTHONPATH of a CPU server only when it asks for at least one patch; the names of the patches
+travel in ``SGLANG_BRIDGE_CPU_HOOKS`` (comma-separated, set by ``server_env`` from the ServerSpec, never
+by users). SGLang's spawned scheduler processes inherit the environment and so the hooks. Each patch is
+applied when its module is first imported (a meta-path finder wrapping the real loader) and changes
+nothing else.
+
+* ``r3_alloc`` (servers returning routed experts, R3): SGLang keeps every token's routing in a host
+  buffer (``state_capturer/base.py: BaseHostCache``) allocated through
+  ``mem_cache/pool_host/common.py: ALLOC_MEMORY_FUNCS[device]``. That table has no ``"cpu"`` entry, so
+  the default, ``alloc_with_host_register``, pins the buffer with ``cudaHostRegister`` and a CPU torch
+  dies at start-up (``torch.cuda.cudart()`` asserts). The patch adds a ``"cpu"`` entry that allocates
+  ordinary memory: there is no device to transfer to, so pinning buys nothing.
+* ``fp8_kv`` (``kv_cache_dtype=fp8_e4m3`` on CPU): SGLang's real FP8 KV cache on CPU needs the Intel
+  AMX attention kernels of ``sgl_kernel``, which the CPU install does not have. The patch emulates it in
+  the bf16 cache: every K and V written by ``MHATokenToKVPool.set_kv_buffer`` is rounded through
+  float8 e4m3 (saturating at +-448, scale 1.0 as SGLang uses without checkpoint KV scales), so
+  attention reads exactly the values an FP8 cache would hold, for the prompt and every later token.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from collections.abc import Callable
+
+ENV = "SGLANG_BRIDGE_CPU_HOOKS"
+E4M3_MAX = 448.0
+
+
+def _cpu_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):  # noqa: ANN001, ANN201
+    # Same signature as SGLang's allocators; plain host memory (pin_memory is meaningless here).
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _patch_r3_alloc(module: types.ModuleType) -> None:
+    module.ALLOC_MEMORY_FUNCS["cpu"] = _cpu_alloc
+
+
+def fake_e4m3(x):  # noqa: ANN001, ANN201
+    """``x`` rounded to float8 e4m3 (nearest-even, saturating) and back, in ``x``'s dtype."""
+    import torch
+
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def _patch_fp8_kv(module: types.ModuleType) -> None:
+    pool = module.MHATokenToKVPool
+    original = pool.set_kv_buffer
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):  # noqa: ANN001, ANN202
+        return original(self, layer, loc, fake_e4m3(cache_k), fake_e4m3(cache_v), *args, **kwargs)
+
+    pool.set_kv_buffer = set_kv_buffer
+
+
+PATCHES: dict[str, tuple[str, Callable[[types.ModuleType], None]]] = {
+    "r3_alloc": ("sglang.srt.mem_cache.pool_host.common", _patch_r3_alloc),
+    "fp8_kv": ("sglang.srt.mem_cache.memory_pool", _patch_fp8_kv),
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, targets: dict[str, Callable[[types.ModuleType], None]]):
+        self.targets = targets
+
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
+        patch = self.targets.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: types.ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _install(names: list[str]) -> None:
+    unknown = [n for n in names if n not in PATCHES]
+    if unknown:
+        raise RuntimeError(f"{ENV} names unknown patches {unknown}; known: {sorted(PATCHES)}")
+    pending = {}
+    for n in names:
+        target, patch = PATCHES[n]
+        if target in sys.modules:  # pragma: no cover - only if something imported it before site ran
+            patch(sys.modules[target])
+        else:
+            pending[target] = patch
+    if pending:
+        sys.meta_path.insert(0, _PatchOnImport(pending))
+
+
+_install([n for n in os.environ.get(ENV, "").split(",") if n])
