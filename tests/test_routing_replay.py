@@ -22,7 +22,7 @@ from megatron_acrl.megatron.routing_replay import (
 )
 from megatron_acrl.rollout import RolloutBatch, build_batch
 from sglang_bridge.client import decode_routed_experts
-from sglang_bridge.cpu_compat import R3_HOOK_DIR, STAND_IN_DIR
+from sglang_bridge.cpu_compat import HOOKS_ENV, R3_HOOK_DIR, STAND_IN_DIR
 from sglang_bridge.server import ServerSpec
 
 # From the research recipe (example_r3.json): 4 routed positions, 2 layers, top-2.
@@ -219,7 +219,7 @@ def test_cpu_allocator_hook_in_a_child(tmp_path):
         "print(ALLOC_MEMORY_FUNCS['cpu']((3, 2, 2), dtype='int32', device='cpu', pin_memory=True,\n"
         "                                allocator=HostTensorAllocator()))\n"
     )
-    env = {"PYTHONPATH": f"{R3_HOOK_DIR}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": f"{R3_HOOK_DIR}:{tmp_path}", HOOKS_ENV: "r3_alloc", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "('allocated', (3, 2, 2), 'int32', 'cpu')" in out.stdout
