@@ -81,6 +81,17 @@ def plot_runs(
     return written
 
 
+def reward_summary(run_dir: str | Path, window: int = 5) -> str | None:
+    """``reward (train, mean of first 5 -> last 5 steps): 0.34 -> 0.44 (+0.10)``; None without data."""
+    _, ys = series(read_jsonl_metrics(Path(run_dir) / "metrics.jsonl"), "reward/mean")
+    if len(ys) < 2:
+        return None
+    k = max(1, min(window, len(ys) // 2))
+    first, last = sum(ys[:k]) / k, sum(ys[-k:]) / k
+    span = f"mean of first {k} -> last {k} steps"
+    return f"reward (train, {span}): {first:.3f} -> {last:.3f} ({last - first:+.3f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_acrl.plots", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
@@ -89,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or str(Path(args.runs[0]) / "plots")
     files = plot_runs(args.runs, out)
     print(f"{len(files)} plots in {out}")
+    for run in args.runs:
+        line = reward_summary(run)
+        if line:
+            print(f"{Path(run).name}: {line}")
     return 0
 
 

@@ -7,7 +7,7 @@ import json
 from megatron_acrl.plots import main, plot_runs
 
 
-def test_plots_from_metrics(tmp_path):
+def test_plots_from_metrics(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     rows = [
@@ -21,3 +21,5 @@ def test_plots_from_metrics(tmp_path):
     assert "acrl_y_over_x.png" not in names  # no finite values: no empty figure
     assert all(f.stat().st_size > 1000 for f in files)
     assert main([str(run)]) == 0 and (run / "plots" / "reward_mean.png").exists()
+    # steps 1..12 with reward 0.1 * step: first five average 0.3, last five 1.0
+    assert "0.300 -> 1.000 (+0.700)" in capsys.readouterr().out
