@@ -13,7 +13,9 @@ once.
 
 Flags: ``-O3`` plus the floating-point relaxations the kernels are written for (reassociated float64
 sums, finite inputs on valid tokens, no errno); no ``-march=native``, so a cache shared by machines
-of one architecture (a cluster's home directory) stays valid on all of them.
+of one architecture (a cluster's home directory) stays valid on all of them. A kernel whose results
+depend on IEEE evaluation order passes its own flags (``load_library(source, cflags)``; the block-FP8
+quantizer, ``sglang_bridge/_fp8_block.c``, does); the flags are part of the cache key.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
-def build(source: Path, out_dir: Path | None = None) -> Path:
+def build(source: Path, out_dir: Path | None = None, cflags: tuple[str, ...] = CFLAGS) -> Path:
     """Compile ``source`` into a shared library (cached); returns its path.
+
+    ``cflags``: the compiler flags (default :data:`CFLAGS`); a kernel whose results depend on IEEE
+    evaluation order (exact rounding) passes its own set without the relaxations.
 
     Raises:
         RuntimeError: no C compiler, or the compilation failed (with the compiler's message).
@@ -75,7 +80,7 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     text = source.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
-            [text, " ".join(CFLAGS).encode(), _compiler_version(cc).encode(), platform.machine().encode()]
+            [text, " ".join(cflags).encode(), _compiler_version(cc).encode(), platform.machine().encode()]
         )
     ).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
@@ -86,7 +91,7 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=f".{source.stem}-", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *cflags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr.strip()}")
         os.replace(tmp, target)  # atomic: a concurrent builder's identical file wins or loses whole
@@ -97,10 +102,11 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
 
 
 @functools.cache
-def load_library(source: Path) -> ctypes.CDLL | None:
-    """The built library of ``source``, or None (logged once) when it cannot be built or loaded."""
+def load_library(source: Path, cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
+    """The built library of ``source`` (compiled with ``cflags``), or None (logged once) when it
+    cannot be built or loaded."""
     try:
-        return ctypes.CDLL(str(build(source)))
+        return ctypes.CDLL(str(build(source, cflags=cflags)))
     except (OSError, RuntimeError) as exc:
         log.warning("native kernel %s unavailable, using the PyTorch path: %s", source.name, exc)
         return None

@@ -22,12 +22,17 @@ error; it is *not* FP8 activation/GEMM numerics, and logs/metrics must label it 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from megatron_acrl.native import load_library
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -161,9 +166,14 @@ def quantize_block(
     ``w ~= q.float() * scale_inv`` expanded over its ``bn x bk`` block; ``scale_inv = amax / 448``
     (power-of-two rounded up with ``ue8m0``, so no value exceeds 448 after scaling).
     """
+    bn, bk = block_size
+    if _native_ok(w):
+        q = torch.empty(w.shape, dtype=FP8_DTYPE)
+        s = torch.empty(-(-w.shape[0] // bn), -(-w.shape[1] // bk), dtype=torch.float32)
+        _native_quant(w, q, s, block_size, ue8m0)
+        return q, s
     if not _fast_ok(w, block_size):
         return _quantize_block_reference(w, block_size, ue8m0=ue8m0)
-    bn, bk = block_size
     q = torch.empty(w.shape, dtype=FP8_DTYPE)
     s = torch.empty(w.shape[0] // bn, w.shape[1] // bk, dtype=torch.float32)
     quantize_block_into(w, q, s, block_size, ue8m0=ue8m0)
@@ -196,6 +206,8 @@ def fake_quantize_block(
     w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, ue8m0: bool = False
 ) -> torch.Tensor:
     """``dequantize_block(quantize_block(w))`` in ``w.dtype`` without materialising the expanded scales."""
+    if _native_ok(w):
+        return _native_fake(w, torch.empty(w.shape, dtype=w.dtype), block_size, ue8m0)
     if not _fast_ok(w, block_size):
         return _fake_quantize_block_reference(w, block_size, ue8m0=ue8m0)
     return fake_quantize_block_into(
@@ -210,6 +222,103 @@ def _fake_quantize_block_reference(
     blocks, n, k = _blocks(w, block_size)
     q, scale = _quantize_blocks(blocks, ue8m0)
     return _unblock(q.float().mul_(scale), n, k).to(w.dtype)
+
+
+# -- native block path -------------------------------------------------------------------------------
+# ``_fp8_block.c``: amax, scale, e4m3 rounding and (fake) dequantization of a whole weight in one C
+# pass per 128-row stripe, bf16 / fp32, ragged edge blocks included, bit-identical to the reference
+# (tests/bridge/test_fp8.py, stress grids included). Built on first use by megatron_acrl/native.py with
+# the flags below: IEEE evaluation order (no -ffast-math family, no FP contraction), because the
+# e4m3 rounding is exact arithmetic that reassociation would fold away; -fno-trapping-math only lets
+# the compiler turn the clamps into vector selects (no FP exception is ever inspected), which
+# changes no result. The hot loops are multi-versioned for AVX-512 / AVX2 / baseline (see the C
+# file). Called through ctypes, which releases the GIL, so the packing thread quantizes while the
+# sending thread waits on the transfer.
+# Without a C compiler everything takes the PyTorch fast path below (and the reference).
+
+_NATIVE_SOURCE = Path(__file__).with_name("_fp8_block.c")
+FP8_CFLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-std=c99",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+)
+_NATIVE_DT = {torch.bfloat16: 0, torch.float32: 1}
+USE_NATIVE = True
+"""Module switch (tests flip it to compare the native path with the PyTorch one)."""
+
+_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.cache
+def _native_lib() -> ctypes.CDLL | None:
+    lib = load_library(_NATIVE_SOURCE, FP8_CFLAGS)
+    if lib is None:
+        return None
+    lib.fp8_block_fake.restype = _int
+    lib.fp8_block_fake.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _i64, _i64, _int, _int, _int]
+    lib.fp8_block_quant.restype = _int
+    lib.fp8_block_quant.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _p, _i64, _i64, _int]
+    return lib
+
+
+def native_available() -> bool:
+    """Whether the C block quantizer built and loaded on this machine (and is switched on)."""
+    return USE_NATIVE and _native_lib() is not None
+
+
+def _native_ok(w: torch.Tensor, *outs: torch.Tensor) -> bool:
+    """The C path takes a 2-D CPU bf16 / fp32 matrix with unit column stride (any row stride) and
+    contiguous outputs."""
+    return (
+        w.dim() == 2
+        and w.numel() > 0
+        and w.dtype in _NATIVE_DT
+        and w.device.type == "cpu"
+        and (w.stride(1) == 1 or w.shape[1] == 1)
+        and all(o.device.type == "cpu" and o.is_contiguous() for o in outs)
+        and native_available()
+    )
+
+
+def _native_fake(
+    w: torch.Tensor,
+    out: torch.Tensor,
+    block_size: tuple[int, int],
+    ue8m0: bool,
+    rounding: str = "nearest",
+    mantissa_bits: int = 3,
+) -> torch.Tensor:
+    """``out`` (contiguous ``[N, K]`` of ``w.dtype``) <- fake-quant of ``w`` by the C kernel."""
+    lib = _native_lib()
+    assert lib is not None and out.shape == w.shape and out.dtype == w.dtype
+    n, k = w.shape
+    rc = lib.fp8_block_fake(
+        w.data_ptr(), n, k, w.stride(0), _NATIVE_DT[w.dtype], out.data_ptr(), k,
+        block_size[0], block_size[1], int(ue8m0), int(rounding == "toward_zero"), mantissa_bits,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("fp8_block_fake: scratch allocation failed")
+    return out
+
+
+def _native_quant(
+    w: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor, block_size: tuple[int, int], ue8m0: bool
+) -> None:
+    lib = _native_lib()
+    n, k = w.shape
+    bn, bk = block_size
+    assert lib is not None and q_out.shape == w.shape and q_out.dtype == FP8_DTYPE
+    assert scale_out.dtype == torch.float32 and scale_out.shape == (-(-n // bn), -(-k // bk))
+    rc = lib.fp8_block_quant(
+        w.data_ptr(), n, k, w.stride(0), _NATIVE_DT[w.dtype], q_out.data_ptr(), k,
+        scale_out.data_ptr(), bn, bk, int(ue8m0),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("fp8_block_quant: scratch allocation failed")
 
 
 # -- fast block path ---------------------------------------------------------------------------------
@@ -314,6 +423,8 @@ def fake_quantize_block_into(
 ) -> torch.Tensor:
     """Write ``fake_quantize_block(w)`` (``[N, K]``, ``w.dtype``) into ``out`` (contiguous ``[N, K]`` of
     ``w.dtype``, e.g. a view into a send bucket); returns ``out``. Bit-identical to the reference."""
+    if _native_ok(w, out):
+        return _native_fake(w, out, block_size, ue8m0)
     if not _fast_ok(w, block_size):  # ragged blocks / other dtypes: rare, take the reference path
         return out.copy_(_fake_quantize_block_reference(w, block_size, ue8m0=ue8m0))
     ws = workspace or Fp8Workspace()
@@ -342,6 +453,9 @@ def quantize_block_into(
 ) -> None:
     """Write ``quantize_block(w)`` into ``q_out`` (e4m3 ``[N, K]``) and ``scale_out`` (fp32
     ``[ceil(N/bn), ceil(K/bk)]``), e.g. views into a send bucket. Bit-identical to the reference."""
+    if _native_ok(w, q_out, scale_out):
+        _native_quant(w, q_out, scale_out, block_size, ue8m0)
+        return
     if not _fast_ok(w, block_size):
         q, s = _quantize_block_reference(w, block_size, ue8m0=ue8m0)
         q_out.copy_(q)
@@ -438,6 +552,13 @@ def quantize_named_tensors(
 Rounding = Literal["nearest", "toward_zero"]
 
 
+def _check_stress(rounding: str, mantissa_bits: int) -> None:
+    if not 0 <= mantissa_bits <= 3:
+        raise ValueError(f"mantissa_bits must be in [0, 3] (e4m3 has 3), got {mantissa_bits}")
+    if rounding not in ("nearest", "toward_zero"):
+        raise ValueError(f"unknown FP8 rounding {rounding!r}; use nearest or toward_zero")
+
+
 def to_e4m3(x: torch.Tensor, rounding: Rounding = "nearest", mantissa_bits: int = 3) -> torch.Tensor:
     """Cast already-scaled fp32 values (``|x| <= 448``) to e4m3 with the given rounding.
 
@@ -451,10 +572,7 @@ def to_e4m3(x: torch.Tensor, rounding: Rounding = "nearest", mantissa_bits: int 
     zero onto a coarser e4mM grid, subnormals included since their mantissa is linear): the harshest
     "truncated FP8" knob, for stress runs only.
     """
-    if not 0 <= mantissa_bits <= 3:
-        raise ValueError(f"mantissa_bits must be in [0, 3] (e4m3 has 3), got {mantissa_bits}")
-    if rounding not in ("nearest", "toward_zero"):
-        raise ValueError(f"unknown FP8 rounding {rounding!r}; use nearest or toward_zero")
+    _check_stress(rounding, mantissa_bits)
     q = x.to(FP8_DTYPE)
     if rounding == "nearest" and mantissa_bits == 3:
         return q
@@ -473,8 +591,13 @@ def fake_quantize_stress(
     ``mantissa_bits``, in ``w.dtype`` (fake-quant only: no FP8 kernel serves these grids).
 
     Same scales as :func:`quantize` (amax / 448 per block, tensor or row, UE8M0 if asked); only the
-    cast differs. With the defaults it equals :func:`fake_quantize`.
+    cast differs. With the defaults it equals :func:`fake_quantize`. Block granularity runs the C
+    kernel when it is available (bit-identical to this function's PyTorch spelling).
     """
+    if scheme.granularity == "block" and _native_ok(w):
+        _check_stress(rounding, mantissa_bits)
+        out = torch.empty(w.shape, dtype=w.dtype)
+        return _native_fake(w, out, scheme.block_size, scheme.ue8m0, rounding, mantissa_bits)
     x = w.float()
     if scheme.granularity == "block":
         blocks, n, k = _blocks(w, scheme.block_size)
@@ -534,6 +657,7 @@ __all__ = [
     "fake_quantize_named_stress",
     "fake_quantize_stress",
     "is_router",
+    "native_available",
     "quantize",
     "quantize_block",
     "quantize_block_into",

@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sglang_bridge.fp8 as fp8_mod
+from megatron_acrl import native
 from sglang_bridge.cpu_compat import server_env
 from sglang_bridge.fp8 import (
     FP8_DTYPE,
@@ -26,6 +28,8 @@ from sglang_bridge.fp8 import (
     fake_quantize,
     fake_quantize_block,
     fake_quantize_block_into,
+    fake_quantize_stress,
+    native_available,
     quantize_block,
     quantize_block_into,
     quantize_named_tensors,
@@ -156,15 +160,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ib)[~nan], b.view(ib)[~nan])
 
 
+@pytest.fixture(params=["native", "torch"])
+def block_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the C kernel (``_fp8_block.c``) and on the PyTorch fast path."""
+    if request.param == "native" and not native_available():
+        pytest.skip("the C block quantizer did not build here (no C compiler?)")
+    monkeypatch.setattr(fp8_mod, "USE_NATIVE", request.param == "native")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("block", [(128, 128), (32, 64)])
 def test_fast_path_bit_identical_to_reference(
-    dtype: torch.dtype, ue8m0: bool, block: tuple[int, int]
+    dtype: torch.dtype, ue8m0: bool, block: tuple[int, int], block_path: str
 ) -> None:
-    """The in-place e4m3 rounding (fake) and the workspace quantizer (real) equal the generic-cast
-    reference bit for bit: random weights at several magnitudes, zeros, -0, subnormals, ±448 and
-    beyond-e4m3 values, e4m3 rounding ties, inf and NaN (NaN policy: a NaN poisons its block)."""
+    """The in-place e4m3 rounding (fake) and the workspace quantizer (real), in C and in PyTorch,
+    equal the generic-cast reference bit for bit: random weights at several magnitudes, zeros, -0,
+    subnormals, ±448 and beyond-e4m3 values, e4m3 rounding ties, inf and NaN (NaN policy: a NaN
+    poisons its block). fp16 always takes the PyTorch path (the C kernel reads bf16 / fp32)."""
     g = torch.Generator().manual_seed(2)
     cases = [_edge_weights(dtype)] + [
         (torch.randn(256, 512, generator=g) * s).to(dtype) for s in (1e-3, 0.02, 1.0, 300.0)
@@ -185,7 +199,97 @@ def test_fast_path_bit_identical_to_reference(
     assert nan_block.isnan().all()  # the NaN policy, stated: the whole block, like the reference
 
 
-def test_fast_path_falls_back_on_ragged_blocks() -> None:
+def _all_bf16_patterns() -> torch.Tensor:
+    """Every bf16 bit pattern once, [512, 128] (NaN and inf included), in random order."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return (
+        bits[torch.randperm(bits.numel(), generator=torch.Generator().manual_seed(3))]
+        .view(torch.bfloat16)
+        .view(512, 128)
+    )
+
+
+def _e4m3_grid_block() -> torch.Tensor:
+    """[384, 128] whose every 32x64 (so every 128x128) block has amax 448, so y = x / scale == x:
+    every bf16 value in [-448, 448], i.e. every e4m3 code, every tie between two codes and every
+    value around them."""
+    v = torch.arange(0, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = v[v.float() <= 448]
+    vals = torch.cat([v, -v])
+    w = torch.zeros(384, 128, dtype=torch.bfloat16)
+    corner = torch.zeros(384, 128, dtype=torch.bool)
+    corner.view(12, 32, 2, 64)[:, 0, :, 0] = True
+    w[corner] = 448.0
+    free = (~corner).flatten().nonzero().squeeze(1)
+    assert free.numel() >= vals.numel()
+    w.view(-1)[free[: vals.numel()]] = vals
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_native_kernel_bit_identical_on_every_pattern(dtype: torch.dtype, ue8m0: bool) -> None:
+    """The C kernel against the generic-cast reference on inputs the fast-path test does not reach:
+    every bf16 bit pattern, every e4m3 value and tie, random fp32 bit patterns, ragged shapes (the
+    kernel handles partial edge blocks itself), a strided row view, an all -0 block, a 1-column
+    weight."""
+    if not native_available():
+        pytest.skip("the C block quantizer did not build here")
+    g = torch.Generator().manual_seed(4)
+    cases = [_all_bf16_patterns().to(dtype), _e4m3_grid_block().to(dtype)]
+    if dtype == torch.float32:
+        cases.append(torch.randint(-(2**31), 2**31 - 1, (256, 256), generator=g).to(torch.int32).view(dtype))
+    cases += [
+        (torch.randn(300, 200, generator=g) * 0.1).to(dtype),
+        (torch.randn(129, 1, generator=g)).to(dtype),
+        -torch.zeros(128, 128, dtype=dtype),
+        (torch.randn(256, 640, generator=g) * 0.02).to(dtype)[:, 64:448],  # row stride 640
+    ]
+    for block in [(128, 128), (32, 64)]:
+        for w in cases:
+            ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
+            assert _same(fake_quantize_block(w, block, ue8m0=ue8m0), ref)
+            out = torch.full(w.shape, 7.0, dtype=dtype)
+            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0), ref)
+            q_ref, s_ref = _quantize_block_reference(w, block, ue8m0=ue8m0)
+            q, s = quantize_block(w, block, ue8m0=ue8m0)
+            assert _same(q, q_ref) and _same(s, s_ref)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
+@pytest.mark.parametrize("mantissa_bits", [3, 2, 1, 0])
+def test_native_kernel_stress_grids_match_pytorch(rounding: str, mantissa_bits: int) -> None:
+    """fake_quantize_stress (block) in C equals its PyTorch spelling: every bf16 pattern (NaN, whose
+    code 0x7F becomes a finite value once low bits are cleared, included), every e4m3 value, ragged
+    shapes, fp32, UE8M0."""
+    if not native_available():
+        pytest.skip("the C block quantizer did not build here")
+    g = torch.Generator().manual_seed(5)
+    cases = [_all_bf16_patterns(), _e4m3_grid_block(), (torch.randn(300, 200, generator=g) * 0.02)]
+    cases.append(cases[-1].to(torch.bfloat16))
+    for ue8m0 in (False, True):
+        for block in [(128, 128), (32, 64)]:
+            scheme = Fp8Scheme("block", block, ue8m0)
+            for w in cases:
+                fp8_mod.USE_NATIVE = False
+                try:
+                    ref = fake_quantize_stress(w, scheme, rounding, mantissa_bits)  # type: ignore[arg-type]
+                finally:
+                    fp8_mod.USE_NATIVE = True
+                assert _same(fake_quantize_stress(w, scheme, rounding, mantissa_bits), ref)  # type: ignore[arg-type]
+
+
+def test_native_kernel_needs_its_own_flags(tmp_path: Path) -> None:
+    """The kernel is built with IEEE evaluation order (fp8.FP8_CFLAGS), not the relaxed defaults of
+    megatron_acrl/native.py: the two builds are different cache entries."""
+    src = fp8_mod._NATIVE_SOURCE
+    relaxed = native.build(src, tmp_path)
+    exact = native.build(src, tmp_path, cflags=fp8_mod.FP8_CFLAGS)
+    assert relaxed != exact and exact.exists()
+    assert not {"-ffast-math", "-fassociative-math", "-ffinite-math-only"} & set(fp8_mod.FP8_CFLAGS)
+
+
+def test_fast_path_falls_back_on_ragged_blocks(block_path: str) -> None:
     w = (torch.randn(300, 200) * 0.1).to(torch.bfloat16)  # not whole 128x128 blocks: reference path
     assert _same(fake_quantize_block(w), _fake_quantize_block_reference(w))
     q, s = quantize_block(w)

@@ -1,0 +1,262 @@
+/* Block-FP8 (e4m3fn) quantize and fake-quantize of one [N, K] weight in one pass per block row.
+ *
+ * The same numbers as the reference in sglang_bridge/fp8.py (_quantize_block_reference,
+ * _fake_quantize_block_reference, fake_quantize_stress), bit for bit, for bf16 and fp32 weights:
+ *
+ *   amax  = max |x| over the bn x bk block (zero padding of a ragged edge block never raises it;
+ *           NaN propagates: integer max of the magnitude bits, NaN sorts above inf)
+ *   scale = max(amax, 1e-12f) / 448            (fp32 IEEE division; UE8M0: exponent rounded up)
+ *   y     = x / scale                          (fp32 IEEE division, per element)
+ *   q     = e4m3(clamp(y, -448, 448))          (round to nearest even, like torch's fp8 cast;
+ *                                               stress modes: toward zero, fewer mantissa bits)
+ *   fake  = to_dtype(float(q) * scale)         (fp32 product, one RNE rounding to bf16)
+ *
+ * The e4m3 rounding is exact arithmetic, not a cast: the grid step of |y| is 2^(e-3) with e its
+ * exponent clamped below at -6 (e4m3's subnormal range), and (|y| + M) - M with M = step * 2^23
+ * rounds |y| to a multiple of step, half to even, in the default rounding mode (M's ulp is step).
+ * That needs IEEE evaluation order, so this file is built WITHOUT the relaxed FP flags of
+ * megatron_acrl/native.py (see FP8_CFLAGS in fp8.py: no -ffast-math family, no FP contraction);
+ * NaN handling is written with comparisons whose false branch keeps the NaN.
+ *
+ * Plain C99, no Python or torch headers; called through ctypes (which releases the GIL).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Hot loops are compiled for AVX-512 / AVX2 / baseline x86-64 and picked at load time (GCC
+ * function multi-versioning), so a library cached in a shared home directory stays valid on every
+ * x86-64 machine; other compilers and architectures get the plain build. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+#define FP8_MAX 448.0f
+#define AMAX_EPS 1e-12f
+#define DT_BF16 0
+#define DT_F32 1
+
+INLINE uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+INLINE float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* fp32 -> bf16, round to nearest even (torch's conversion); any NaN -> a quiet NaN */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+}
+
+/* Per-block scale from the amax magnitude bits (fp32 pattern). */
+INLINE float block_scale(uint32_t amax_bits, int ue8m0) {
+    float amax = u2f(amax_bits);
+    amax = amax < AMAX_EPS ? AMAX_EPS : amax; /* NaN: comparison false, NaN kept (torch clamp) */
+    float s = amax / FP8_MAX;
+    if (ue8m0) { /* DeepGEMM ceil_to_ue8m0 on the bits, as fp8._ue8m0 */
+        uint32_t b = f2u(s) & 0x7FFFFFFFu;
+        int32_t e = (int32_t)((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0);
+        e = e < 1 ? 1 : (e > 254 ? 254 : e);
+        s = u2f((uint32_t)e << 23);
+    }
+    return s;
+}
+
+/* |y| (>= 0 or NaN, <= 448) rounded onto the e4m3 grid of `mbits` mantissa bits: nearest-even to
+ * 3 bits then the low 3 - mbits bits of the code cleared (to_e4m3's "nearest"), or truncation toward
+ * zero ("toward_zero": the largest grid value not above |y|, then the same clearing). Returns the
+ * rounded magnitude (fp32, exact). `tz_mask` clears the dropped mantissa bits of a normal value,
+ * `sub_mask` those of a subnormal code (m in 0..7, value m * 2^-9). A NaN becomes `nan_val`: what
+ * to_e4m3 makes of the NaN code 0x7F once its low bits are cleared (NaN itself at 3 bits). */
+INLINE float round_mag(float a, int toward_zero, uint32_t tz_mask, int32_t sub_mask, float nan_val) {
+    float r;
+    if (toward_zero) {
+        r = a;
+    } else {
+        uint32_t e = f2u(a) & 0x7F800000u;
+        e = e < (121u << 23) ? (121u << 23) : e;
+        float m = u2f(e + (20u << 23)); /* step * 2^23; garbage for NaN, whose result is NaN anyway */
+        r = (a + m) - m;
+        if (tz_mask == 0xFFF00000u) return r;
+    }
+    /* truncation toward zero onto the grid: clear mantissa bits of a normal value, floor the
+     * subnormal code (value m * 2^-9, m in 0..7) and clear its low bits */
+    uint32_t rb = f2u(r);
+    int normal = rb >= (121u << 23); /* NaN counts as normal here and is handled below */
+    float rs = normal ? 0.0f : r;
+    float sr = (float)((int32_t)(rs * 512.0f) & sub_mask) * (1.0f / 512.0f);
+    float t = normal ? u2f(rb & tz_mask) : sr;
+    return r != r ? nan_val : t;
+}
+
+INLINE float load(const void *w, int dt, int64_t i) {
+    if (dt == DT_BF16) return u2f((uint32_t)((const uint16_t *)w)[i] << 16);
+    return ((const float *)w)[i];
+}
+
+/* Magnitude bits (fp32 pattern) of the largest |x| in row segment [c0, c1), NaN above inf. */
+INLINE uint32_t seg_amax(const void *row, int dt, int64_t c0, int64_t c1, uint32_t m) {
+    if (dt == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)row;
+        uint16_t mm = (uint16_t)(m >> 16);
+        for (int64_t c = c0; c < c1; c++) {
+            uint16_t v = p[c] & 0x7FFFu;
+            mm = v > mm ? v : mm;
+        }
+        return (uint32_t)mm << 16;
+    }
+    const uint32_t *p = (const uint32_t *)row;
+    for (int64_t c = c0; c < c1; c++) {
+        uint32_t v = p[c] & 0x7FFFFFFFu;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+INLINE void block_row_scales(const void *w, int dt, int64_t r0, int64_t r1, int64_t k, int64_t ld,
+                             int64_t bk, int64_t kb, int ue8m0, uint32_t *amax, float *scale) {
+    size_t es = dt == DT_BF16 ? 2 : 4;
+    for (int64_t j = 0; j < kb; j++) amax[j] = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const char *row = (const char *)w + (size_t)(r * ld) * es;
+        for (int64_t j = 0; j < kb; j++) {
+            int64_t c1 = (j + 1) * bk < k ? (j + 1) * bk : k;
+            amax[j] = seg_amax(row, dt, j * bk, c1, amax[j]);
+        }
+    }
+    for (int64_t j = 0; j < kb; j++) scale[j] = block_scale(amax[j], ue8m0);
+}
+
+/* |y| clamped to 448 and rounded to the nearest-even e4m3 value (fp32, exact); NaN stays NaN. */
+INLINE float e4m3_mag(float y) {
+    float a = u2f(f2u(y) & 0x7FFFFFFFu);
+    a = a > FP8_MAX ? FP8_MAX : a;
+    uint32_t e = f2u(a) & 0x7F800000u;
+    e = e < (121u << 23) ? (121u << 23) : e;
+    float m = u2f(e + (20u << 23)); /* step * 2^23; garbage for NaN, whose result is NaN anyway */
+    return (a + m) - m;
+}
+
+/* Fake-quant of one row segment: out[c] = to_dtype(e4m3(x[c] / s) * s). Specialised per dtype
+ * and rounding so that the common case (bf16, nearest, 3 bits) is a straight vectorisable loop. The
+ * sign is x's: s > 0, or NaN, which makes the result NaN. */
+INLINE void fake_seg_bf16(const uint16_t *x, uint16_t *o, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) {
+        uint32_t xb = (uint32_t)x[c] << 16;
+        float r = e4m3_mag(u2f(xb) / s);
+        o[c] = f32_to_bf16(u2f(f2u(r) | (xb & 0x80000000u)) * s);
+    }
+}
+
+INLINE void fake_seg_f32(const float *x, float *o, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) {
+        float r = e4m3_mag(x[c] / s);
+        o[c] = u2f(f2u(r) | (f2u(x[c]) & 0x80000000u)) * s;
+    }
+}
+
+INLINE void fake_seg_generic(const void *x, int dt, void *o, int64_t n, float s, int toward_zero,
+                             uint32_t tz_mask, int32_t sub_mask, float nan_val) {
+    for (int64_t c = 0; c < n; c++) {
+        float y = load(x, dt, c) / s;
+        uint32_t sign = f2u(y) & 0x80000000u;
+        float a = u2f(f2u(y) & 0x7FFFFFFFu);
+        a = a > FP8_MAX ? FP8_MAX : a;
+        float r = round_mag(a, toward_zero, tz_mask, sub_mask, nan_val);
+        float v = u2f(f2u(r) | sign) * s;
+        if (dt == DT_BF16)
+            ((uint16_t *)o)[c] = f32_to_bf16(v);
+        else
+            ((float *)o)[c] = v;
+    }
+}
+
+/* e4m3fn code of x / s: clamp to +-448, round to nearest even (torch's cast), NaN -> 0x7F | sign. */
+INLINE uint8_t e4m3_code(float x, float s) {
+    float y = x / s;
+    uint32_t sign = (f2u(x) >> 24) & 0x80u; /* s > 0, or NaN (then the code is NaN anyway) */
+    float r = e4m3_mag(y);
+    uint32_t rb = f2u(r);
+    uint32_t normal = (((rb >> 23) - 120u) << 3) | ((rb >> 20) & 7u);
+    int is_normal = rb >= (121u << 23); /* NaN too: handled below */
+    uint32_t sub = (uint32_t)(int32_t)((is_normal ? 0.0f : r) * 512.0f);
+    uint32_t code = is_normal ? normal : sub;
+    code = r != r ? 0x7Fu : code;
+    return (uint8_t)(code | sign);
+}
+
+INLINE void quant_seg_bf16(const uint16_t *x, uint8_t *q, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) q[c] = e4m3_code(u2f((uint32_t)x[c] << 16), s);
+}
+
+INLINE void quant_seg_f32(const float *x, uint8_t *q, int64_t n, float s) {
+    for (int64_t c = 0; c < n; c++) q[c] = e4m3_code(x[c], s);
+}
+
+/* Fake-quantize w [n, k] (row stride ld_w elements, unit column stride; bf16 or fp32) into out
+ * [n, k] (row stride ld_o, same dtype). toward_zero / mbits: the stress grid (0 / 3: production
+ * e4m3). Returns 0, or -1 if the scratch allocation failed (nothing written then). */
+HOT int fp8_block_fake(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt, void *out, int64_t ld_o,
+                   int64_t bn, int64_t bk, int ue8m0, int toward_zero, int mbits) {
+    int64_t kb = (k + bk - 1) / bk;
+    uint32_t *amax = (uint32_t *)malloc((size_t)kb * (sizeof(uint32_t) + sizeof(float)));
+    if (!amax) return -1;
+    float *scale = (float *)(amax + kb);
+    size_t es = dt == DT_BF16 ? 2 : 4;
+    uint32_t tz_mask = ~((1u << (23 - mbits)) - 1u);
+    int32_t sub_mask = ~((1 << (3 - mbits)) - 1);
+    int plain = !toward_zero && mbits == 3;
+    /* NaN code 0x7F with its low mantissa bits cleared: 2^8 * (1 + m / 8) */
+    float nan_val = mbits == 3 ? u2f(0x7FC00000u) : u2f((135u << 23) | ((7u & (uint32_t)sub_mask) << 20));
+    for (int64_t r0 = 0; r0 < n; r0 += bn) {
+        int64_t r1 = r0 + bn < n ? r0 + bn : n;
+        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale);
+        for (int64_t r = r0; r < r1; r++) {
+            const char *xr = (const char *)w + (size_t)(r * ld_w) * es;
+            char *orow = (char *)out + (size_t)(r * ld_o) * es;
+            for (int64_t j = 0; j < kb; j++) {
+                int64_t c0 = j * bk, c1 = c0 + bk < k ? c0 + bk : k;
+                const char *xs = xr + (size_t)c0 * es;
+                char *os = orow + (size_t)c0 * es;
+                if (!plain)
+                    fake_seg_generic(xs, dt, os, c1 - c0, scale[j], toward_zero, tz_mask, sub_mask,
+                                     nan_val);
+                else if (dt == DT_BF16)
+                    fake_seg_bf16((const uint16_t *)xs, (uint16_t *)os, c1 - c0, scale[j]);
+                else
+                    fake_seg_f32((const float *)xs, (float *)os, c1 - c0, scale[j]);
+            }
+        }
+    }
+    free(amax);
+    return 0;
+}
+
+/* Quantize w [n, k] into e4m3fn codes q [n, k] (row stride ld_q bytes) and fp32 scales
+ * scale_out [ceil(n/bn), ceil(k/bk)] (contiguous). Returns 0, or -1 on allocation failure. */
+HOT int fp8_block_quant(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt, uint8_t *q, int64_t ld_q,
+                    float *scale_out, int64_t bn, int64_t bk, int ue8m0) {
+    int64_t kb = (k + bk - 1) / bk;
+    uint32_t *amax = (uint32_t *)malloc((size_t)kb * sizeof(uint32_t));
+    if (!amax) return -1;
+    size_t es = dt == DT_BF16 ? 2 : 4;
+    for (int64_t r0 = 0, i = 0; r0 < n; r0 += bn, i++) {
+        int64_t r1 = r0 + bn < n ? r0 + bn : n;
+        float *scale = scale_out + i * kb;
+        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale);
+        for (int64_t r = r0; r < r1; r++) {
+            const char *xr = (const char *)w + (size_t)(r * ld_w) * es;
+            for (int64_t j = 0; j < kb; j++) {
+                int64_t c0 = j * bk, c1 = c0 + bk < k ? c0 + bk : k;
+                uint8_t *qs = q + r * ld_q + c0;
+                if (dt == DT_BF16)
+                    quant_seg_bf16((const uint16_t *)xr + c0, qs, c1 - c0, scale[j]);
+                else
+                    quant_seg_f32((const float *)xr + c0, qs, c1 - c0, scale[j]);
+            }
+        }
+    }
+    free(amax);
+    return 0;
+}
