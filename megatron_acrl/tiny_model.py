@@ -185,14 +185,35 @@ def build_checkpoint(
     *,
     seed: int = 0,
     initializer_range: float | None = None,
+    router_init_range: float | None = None,
+    router_shared_init_range: float = 0.0,
+    expert_init_range: float | None = None,
+    output_init_range: float | None = None,
     cache_dir: str | Path | None = None,
 ) -> Path:
     """Build (or reuse) a bf16 HF checkpoint for ``cfg`` initialised from ``seed``; returns its directory.
 
-    ``initializer_range`` defaults to 0.02 (dense) / 0.2 (MoE: large enough that routing is not
-    near-uniform, so routing mismatches are visible). Weights are saved under the checkpoint's own
-    names (per-expert names for MoE), which is also what SGLang's loader and the weight-sync manifest
-    expect.
+    ``initializer_range`` is the std of every weight matrix (embeddings, attention, MLP, router,
+    LM head); it defaults to 0.02 (dense) / 0.2 (MoE: large enough that routing is not near-uniform,
+    so routing mismatches are visible). The other ranges override it for one group of an MoE model,
+    to shape how routing mismatches look (``tests/bridge/test_r3_server.py``); None keeps
+    ``initializer_range``, and with all of them at their defaults the weights are exactly those of
+    the plain recipe:
+
+    * ``router_init_range``: std of each expert's own router row (``mlp.gate.weight``). Small: the
+      experts' router logits lie close together, so more tokens sit near a top-k tie.
+    * ``router_shared_init_range``: std of one random vector per layer added to every expert's router
+      row. It shifts all experts' logits of a token by the same amount, so exact routing is
+      unchanged (softmax is shift-invariant), but it makes the logits large next to their spread:
+      an engine that rounds router logits to bf16 (SGLang does) then resolves near-ties differently
+      from an fp32 trainer -- the routing flips real bf16 serving produces, more of them.
+    * ``expert_init_range``: std of the expert weights (``mlp.experts.*``). Large: the MoE output
+      dominates the residual stream, so one flipped expert moves the token's log-prob a lot.
+    * ``output_init_range``: std of the LM head (untied). Small logits keep the bf16 precision gap
+      of tokens whose routing agrees small.
+
+    Weights are saved under the checkpoint's own names (per-expert names for MoE), which is also
+    what SGLang's loader and the weight-sync manifest expect.
     """
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -204,7 +225,24 @@ def build_checkpoint(
         not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff", "moe_routing_replay")
     }
     tok_vocab = min(cfg.vocab_size, 320)  # the tokenizer stays small; the embedding may be larger
-    key_src = json.dumps([CHECKPOINT_RECIPE_VERSION, arch_fields, seed, init, tok_vocab], sort_keys=True)
+    groups = {
+        k: v
+        for k, v in (
+            ("router", router_init_range),
+            ("router_shared", router_shared_init_range or None),
+            ("expert", expert_init_range),
+            ("output", output_init_range),
+        )
+        if v is not None
+    }
+    if groups and not cfg.is_moe and set(groups) - {"output"}:
+        raise ValueError(f"router/expert init ranges need an MoE model, got family {cfg.family}")
+    if "output" in groups and cfg.tie_embeddings:
+        raise ValueError("output_init_range needs an untied LM head (tie_embeddings: false)")
+    key_parts: list[Any] = [CHECKPOINT_RECIPE_VERSION, arch_fields, seed, init, tok_vocab]
+    if groups:  # the plain recipe keeps its cache key
+        key_parts.append(groups)
+    key_src = json.dumps(key_parts, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     root = Path(cache_dir or default_cache_dir())
     final = root / f"{cfg.family}-{key}"
@@ -221,14 +259,35 @@ def build_checkpoint(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+            if groups:
+                _reinit_groups(model, groups)
         model = model.to(torch.bfloat16)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         (tmp / "megatron_acrl.json").write_text(
-            json.dumps({"model_config": arch_fields, "seed": seed, "initializer_range": init}, indent=2)
+            json.dumps(
+                {"model_config": arch_fields, "seed": seed, "initializer_range": init, "init_ranges": groups},
+                indent=2,
+            )
         )
 
     return _atomic_build(final, build)
+
+
+def _reinit_groups(model: torch.nn.Module, groups: dict[str, float]) -> None:
+    """Redraw the weight groups named in ``groups`` (see :func:`build_checkpoint`), in parameter order
+    from the current generator state, so the result is deterministic per seed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # the router, [experts, hidden]
+                if "router" in groups:
+                    p.normal_(0.0, groups["router"])
+                if "router_shared" in groups:
+                    p += torch.randn(1, p.shape[1]) * groups["router_shared"]
+            elif ".mlp.experts." in name and "expert" in groups and p.dim() >= 2:
+                p.normal_(0.0, groups["expert"])
+            elif name == "lm_head.weight" and "output" in groups:
+                p.normal_(0.0, groups["output"])
 
 
 __all__ = ["build_checkpoint", "build_tokenizer", "default_cache_dir", "hf_config_dict"]

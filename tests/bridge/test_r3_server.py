@@ -5,9 +5,9 @@ a rollout batch with its routed experts is recorded (``RolloutBatch.save``, as `
 and scored by the Megatron trainer in one 4-rank launch, under EP=2 and under EP=2 + TP=2 + SP,
 with replay off and with R3 (``model.moe_routing_replay=rollout``):
 
-* off: some token-layer routing decisions disagree with SGLang's and the flipped tokens carry the
-  log-prob gap (their mean |pi_old - mu| is many times the agreeing tokens', the largest gap is on a
-  flipped token);
+* off: some token-layer routing decisions disagree with SGLang's and the flipped tokens carry most
+  of the total log-prob gap (``routing/gap_share_flipped`` > 0.5; their mean |pi_old - mu| is many
+  times the agreeing tokens', the largest gap is on a flipped token);
 * rollout: pi_old and SGLang's log-probs agree on every token within the dense-model tolerance, the
   routing the routers used disagrees with SGLang's nowhere, layouts agree, and the training pass
   replays the same routing (its first forward equals pi_old);
@@ -15,8 +15,21 @@ with replay off and with R3 (``model.moe_routing_replay=rollout``):
 
 The trainer computes in fp32 on the served bf16 weights, the reference closest to exact (as in the
 other bridge tests); the tolerance is the bridge's dense-model one. The model is the research
-recipe's tiny MoE with ``initializer_range`` 0.04: large enough that routing is not uniform, small
-enough that SGLang's bf16 arithmetic stays within the dense tolerance.
+recipe's tiny MoE (2 layers, 4 experts, top-2) with per-group init ranges (``INIT``, see
+``build_checkpoint``), one model for both modes: small router rows plus a large shared router
+component (every expert's logit shifted alike: exact routing unchanged, but SGLang's bf16 router
+logits resolve near-ties differently from the fp32 trainer -- real bf16 routing flips, many of
+them), large experts (the MoE output dominates the residual, so a flip moves the log-prob a lot),
+the rest small and a small LM head (the bf16 gap of agreeing tokens stays far below the tolerance).
+A single global init scale cannot do both: 0.04 gives flips worth only ~7% of the total gap, 0.2
+gives flips that dominate but a replayed gap of ~0.1.
+
+Measured in three runs (32 samples, 2016 token-layer decisions; SGLang's samples vary from run to
+run; EP=2 and EP=2+TP=2+SP give identical numbers): off -- 6.0-8.0% of decisions disagree (layer 0
+3.6-5.9%, layer 1 8.3-10.2% with cascaded flips), 9.5-13% of response tokens flipped, mean
+|pi_old - mu| 0.053-0.059 on flipped tokens vs 0.0006 on agreeing ones (~90x), flipped tokens carry
+91-93% of the total gap, max 0.16-0.24; rollout -- max 0.0039-0.0043 on every token (0.0006-0.0007
+mean on the formerly flipped tokens).
 """
 
 from __future__ import annotations
@@ -41,7 +54,13 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_moe.yaml"
 WORKER = ROOT / "tests" / "r3_worker.py"
 DENSE_TOL = 1e-2  # trainer/transformers vs SGLang on the dense tiny model (test_sglang_server.py)
-INIT = 0.04
+INIT = dict(  # build_checkpoint's init ranges of the test model (module docstring)
+    initializer_range=0.02,
+    router_init_range=0.01,
+    router_shared_init_range=0.4,
+    expert_init_range=0.2,
+    output_init_range=0.01,
+)
 EP2 = dict(ep=2)
 EP2_TP2_SP = dict(ep=2, tp=2, sequence_parallel=True)
 CASES = [
@@ -57,7 +76,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = load_config(CONFIG).model
-    return build_checkpoint(model, seed=0, initializer_range=INIT, cache_dir=tmp_path_factory.mktemp("moe"))
+    return build_checkpoint(model, seed=0, **INIT, cache_dir=tmp_path_factory.mktemp("moe"))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +143,11 @@ def test_replay_off_routing_flips_carry_the_gap(rollout, scored, layout):
     m = scored[f"{layout}_off"]["routing"]
     gap = _gap(rollout, scored[f"{layout}_off"])
     print(
-        layout, "off:", {k: round(v, 5) for k, v in m.items() if "/layer" not in k}, "max", gap.max().item()
+        layout,
+        "off:",
+        {k: round(v, 5) for k, v in m.items() if "/layer" not in k or "disagree_frac/" in k},
+        "max",
+        gap.max().item(),
     )
     assert m["routing/disagree_frac"] > 0, "no routing flips: the test cannot show what replay removes"
     assert m["routing/disagree_frac_applied"] == m["routing/disagree_frac"]  # nothing replayed
@@ -132,6 +155,7 @@ def test_replay_off_routing_flips_carry_the_gap(rollout, scored, layout):
     assert gap.max().item() > DENSE_TOL
     assert gap.max().item() > m["routing/logp_gap_agree_max"]  # the largest gap is on a flipped token
     assert m["routing/gap_share_flipped"] > 3 * m["routing/flipped_token_frac"]
+    assert m["routing/gap_share_flipped"] > 0.5  # flipped tokens carry most of the total |pi_old - mu|
     for layer in range(2):
         assert not math.isnan(m[f"routing/disagree_frac/layer_{layer}"])
 
@@ -144,15 +168,18 @@ def test_replay_rollout_matches_sglang_on_every_token(rollout, scored, layout):
     print(
         layout,
         "rollout:",
-        {k: round(v, 5) for k, v in m.items() if "/layer" not in k},
+        {k: round(v, 5) for k, v in m.items() if "/layer" not in k or "disagree_frac/" in k},
         "max",
         gap.max().item(),
     )
     assert gap.max().item() < DENSE_TOL
     assert m["routing/disagree_frac_applied"] == 0.0  # the routers used SGLang's experts
-    assert m["routing/disagree_frac"] == pytest.approx(
-        scored[f"{layout}_off"]["routing"]["routing/disagree_frac"], abs=0.01
-    )
+    # The disagreement is the routers' own choice before replay: the first MoE layer's input does not
+    # depend on routing, so it disagrees exactly as without replay; later layers see SGLang's routing
+    # upstream (fewer cascaded flips), so the total is only close.
+    off = scored[f"{layout}_off"]["routing"]
+    assert m["routing/disagree_frac/layer_0"] == off["routing/disagree_frac/layer_0"] > 0
+    assert m["routing/disagree_frac"] == pytest.approx(off["routing/disagree_frac"], rel=0.5)
     assert abs(res["metrics"]["loss/ppo_kl"]) < 1e-6  # the training pass replays the same routing
 
 
