@@ -27,6 +27,8 @@ import math
 import torch
 from torch import Tensor
 
+from megatron_acrl.correction import fused_cpu
+
 # exp() of a log-ratio beyond this bound is treated as saturated: rho = e^20 ~ 5e8 is already a
 # catastrophic mismatch, and the bound keeps rho^2 finite in float32.
 LOG_RATIO_BOUND = 20.0
@@ -142,8 +144,6 @@ class MismatchTensors:
     )  # fmt: skip
 
     def __init__(self, logp: Tensor, logq: Tensor, mask: Tensor, *, fused: bool | None = None):
-        from megatron_acrl.correction import fused_cpu
-
         m = mask if mask.dtype == torch.bool else mask.bool()
         self.mask, self.logp, self.logq = m, logp.detach(), logq.detach()
         usable = fused_cpu.usable(self.logp, self.logq, m)
@@ -264,8 +264,6 @@ def mismatch_metrics(
     """
     sh = shared if shared is not None else MismatchTensors(logp, logq, mask)  # type: ignore[arg-type]
     if sh.fused:
-        from megatron_acrl.correction import fused_cpu
-
         values = fused_cpu.mismatch_partials(sh.seq_sums, sh.extremes, num_tokens, num_seqs)
         return {
             prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None
@@ -404,7 +402,7 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
         if k.endswith("chi2_seq_lse"):
             lse = out.pop(k)
             out[k[: -len("_lse")]] = math.exp(lse) - 1.0 if lse < 700 else math.inf
-        elif reduce_kind(k) in ("max", "min") and math.isinf(out[k]):
+        elif math.isinf(out[k]) and reduce_kind(k) in ("max", "min"):
             out[k] = math.nan
     for k in [k for k in out if k.endswith("weight_mean")]:
         base = k[: -len("weight_mean")]

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from megatron_acrl.config import CorrectionConfig
+from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.metrics import (
     LOG_RATIO_BOUND,
     MismatchTensors,
@@ -273,8 +274,6 @@ def _acrl_fused(
     Same weights and partial metrics as the PyTorch branch, which stays the reference
     (``tests/test_fused_cpu.py``).
     """
-    from megatron_acrl.correction import fused_cpu
-
     if advantages is None or acrl is None:
         raise ValueError("correction.method=acrl needs advantages and the controller's AcrlSignal")
     if cfg.per_sequence_y:
