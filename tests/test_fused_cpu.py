@@ -18,6 +18,7 @@ from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import (
     AcrlSignal,
     MismatchTensors,
+    acrl_discrepancy_stats,
     compute_correction,
     finalize_metrics,
     fused_cpu,
@@ -91,6 +92,10 @@ def test_fused_equals_pytorch_path(seed):
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    for distance in ("prob_abs", "logprob_abs", "k3"):  # the controller's statistics
+        got_y = acrl_discrepancy_stats(None, None, None, distance, shared=fused)
+        want_y = acrl_discrepancy_stats(None, None, None, distance, shared=ref)
+        torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
     # the rows the PyTorch branches of compute_correction use are still there, built on demand
     torch.testing.assert_close(fused.log_ratio, ref.log_ratio)
     torch.testing.assert_close(fused.pad, ref.pad)

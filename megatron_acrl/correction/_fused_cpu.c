@@ -92,10 +92,13 @@ static inline float clampf(float x, float lo, float hi) { return fminf(fmaxf(x, 
  * (0/1) with row stride sm. Writes seq_sums [NROWS, B] float64, the per-sequence sums of the rows
  *   0 log pi, 1 log mu, 2 log mu - log pi, 3 log pi - log mu, 4 |pi - mu|, 5 |log pi - log mu|,
  *   6 k3 = rho - 1 - log rho, 7 rho^2 - 1, 8 valid tokens
- * (log rho clamped to +-LOG_RATIO_BOUND where exponentiated), and ext [3] float32: the maxima over
- * valid tokens of -log rho, log rho and |pi - mu| (-inf without valid tokens). */
+ * (log rho clamped to +-LOG_RATIO_BOUND where exponentiated), ext [3] float32: the maxima over
+ * valid tokens of -log rho, log rho and |pi - mu| (-inf without valid tokens), and dstats [3, 2]
+ * float64: for each distance (|pi - mu|, |log pi - log mu|, k3) the sum over sequences with a valid
+ * token of their mean distance (the ACRL controller's Y_i) and the number of those sequences. */
 void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mask, int64_t B, int64_t T,
-                        int64_t sp, int64_t sq, int64_t sm, double *seq_sums, float *ext) {
+                        int64_t sp, int64_t sq, int64_t sm, double *seq_sums, float *ext, double *dstats) {
+    double y_dp = 0, y_ad = 0, y_k3 = 0, n_seqs = 0;
     float max_neg = -INFINITY, max_pos = -INFINITY, max_dp = -INFINITY;
     for (int64_t b = 0; b < B; ++b) {
         const float *lp = logp + b * sp, *lq = logq + b * sq;
@@ -130,11 +133,16 @@ void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mas
             max_pos = mx_d > max_pos ? mx_d : max_pos;
             max_dp = mx_dp > max_dp ? mx_dp : max_dp;
         }
+        if (s_n > 0) { /* the controller's per-sequence discrepancies Y_i, summed over sequences */
+            y_dp += s_dp / s_n, y_ad += s_ad / s_n, y_k3 += s_k3 / s_n, n_seqs += 1;
+        }
         double *o = seq_sums + b;
         o[0 * B] = s_lp, o[1 * B] = s_lq, o[2 * B] = -s_d, o[3 * B] = s_d, o[4 * B] = s_dp;
         o[5 * B] = s_ad, o[6 * B] = s_k3, o[7 * B] = s_chi, o[8 * B] = s_n;
     }
     ext[0] = max_neg, ext[1] = max_pos, ext[2] = max_dp;
+    dstats[0] = y_dp, dstats[2] = y_ad, dstats[4] = y_k3;
+    dstats[1] = dstats[3] = dstats[5] = n_seqs;
 }
 
 /* ACRL weights w = exp(clamp(alpha * clamp(log rho), +-B)), alpha = sign(A) * coef[b] bounded to
@@ -142,13 +150,14 @@ void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mas
  *
  * adv: advantages with strides (sa_b, sa_t) (sa_t = 0 for one advantage per sequence); coef: [B]
  * gamma * (1 - Y / X) per sequence, or NULL for coef0 on every sequence. "No bound" is passed as a
- * large finite number (the file is compiled for finite arithmetic). Writes weights [B, T] float32 (contiguous) and
- * stats [4] float64 (sums over valid tokens of w, w^2, alpha, |alpha|) and wext [2] float32 (max w
+ * large finite number (the file is compiled for finite arithmetic). inv_tokens: 1 / the global token
+ * count, so that stats are already partial means. Writes weights [B, T] float32 (contiguous) and
+ * stats [4] float64 (sums over valid tokens of w, w^2, alpha, |alpha|, times inv_tokens) and wext [2] float32 (max w
  * and min w over valid tokens; -inf / +inf without valid tokens). */
 void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask, const float *adv, int64_t B,
                        int64_t T, int64_t sp, int64_t sq, int64_t sm, int64_t sa_b, int64_t sa_t,
                        const double *coef, double coef0, float alpha_max, float w_low, float w_high,
-                       float *weights, double *stats, float *wext) {
+                       double inv_tokens, float *weights, double *stats, float *wext) {
     double s_w = 0, s_w2 = 0, s_a = 0, s_aa = 0;
     float w_max = -INFINITY, w_min = INFINITY;
     for (int64_t b = 0; b < B; ++b) {
@@ -183,7 +192,8 @@ void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask
             w_min = r_min < w_min ? r_min : w_min;
         }
     }
-    stats[0] = s_w, stats[1] = s_w2, stats[2] = s_a, stats[3] = s_aa;
+    stats[0] = s_w * inv_tokens, stats[1] = s_w2 * inv_tokens, stats[2] = s_a * inv_tokens;
+    stats[3] = s_aa * inv_tokens;
     wext[0] = w_max, wext[1] = w_min;
 }
 

@@ -35,10 +35,12 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.acrl_mismatch_pass.restype = None
-    lib.acrl_mismatch_pass.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p]
+    lib.acrl_mismatch_pass.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
     lib.acrl_weights_pass.restype = None
     lib.acrl_weights_pass.argtypes = [
-        _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _p, _f64, _f32, _f32, _f32, _p, _p, _p,
+        _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # inputs, shape, strides
+        _p, _f64, _f32, _f32, _f32, _f64,  # coef, coef0, alpha_max, w_low, w_high, inv_tokens
+        _p, _p, _p,  # outputs
     ]  # fmt: skip
     lib.acrl_mismatch_partials.restype = None
     lib.acrl_mismatch_partials.argtypes = [_p, _i64, _p, _f64, _f64, _f64, _p]
@@ -73,25 +75,31 @@ def _mask_bytes(mask: Tensor) -> Tensor:
     return _rows(m)
 
 
-def mismatch_pass(logp: Tensor, logq: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sequence row sums and token extrema of one micro-batch.
+def mismatch_pass(logp: Tensor, logq: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence row sums, token extrema and the controller's statistics of one micro-batch.
 
     Args:
         logp, logq: ``[B, T]`` float32 log pi and log mu (detached; padding may hold anything).
         mask: ``[B, T]`` response mask.
     Returns:
-        ``seq_sums`` ``[9, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`) and ``extremes``
-        ``[3]`` float32: max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none).
+        ``seq_sums`` ``[9, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`), ``extremes`` ``[3]``
+        float32: max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none), and
+        ``discrepancy`` ``[3, 2]`` float64: for ``prob_abs``, ``logprob_abs`` and ``k3`` (rows, in
+        :data:`DISCREPANCY_INDEX` order) the sum over sequences with a valid token of their mean
+        distance (ACRL's Y_i) and the number of such sequences: ``acrl_discrepancy_stats`` per row.
     """
     lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
     b, t = lp.shape
-    seq_sums = torch.empty((NUM_ROWS, b), dtype=torch.float64)
+    out = torch.empty(NUM_ROWS * b + 6, dtype=torch.float64)
     ext = torch.empty(3, dtype=torch.float32)
     _lib().acrl_mismatch_pass(  # type: ignore[union-attr]
         lp.data_ptr(), lq.data_ptr(), m.data_ptr(), b, t, lp.stride(0), lq.stride(0), m.stride(0),
-        seq_sums.data_ptr(), ext.data_ptr(),
+        out.data_ptr(), ext.data_ptr(), out.data_ptr() + 8 * NUM_ROWS * b,
     )  # fmt: skip
-    return seq_sums, ext
+    return out[: NUM_ROWS * b].view(NUM_ROWS, b), ext, out[NUM_ROWS * b :].view(3, 2)
+
+
+DISCREPANCY_INDEX = {"prob_abs": 0, "logprob_abs": 1, "k3": 2}
 
 
 def acrl_weights(
@@ -104,6 +112,7 @@ def acrl_weights(
     alpha_max: float | None,
     weight_low: float | None,
     weight_high: float | None,
+    num_tokens: int | Tensor = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """ACRL weights ``exp(clamp(alpha * clamp(log rho)))`` and their sums, in one pass.
 
@@ -112,9 +121,11 @@ def acrl_weights(
         advantages: ``[B, T]`` (any strides, e.g. a ``[B, 1]`` expanded) or ``[B, 1]``; only the sign.
         coef: ``gamma * (1 - Y / X)``, a float or ``[B]`` per sequence.
         alpha_max: bound on ``|alpha|``; weight_low / weight_high: clamp of the weights (None: none).
+        num_tokens: the global token count the sums are divided by.
     Returns:
-        ``weights`` ``[B, T]`` float32 (0 on padding), ``sums`` ``[4]`` float64 over valid tokens
-        (w, w^2, alpha, |alpha|), ``extremes`` ``[2]`` float32 (max w, min w; -inf/+inf if none).
+        ``weights`` ``[B, T]`` float32 (0 on padding), ``means`` ``[4]`` float64: sums over valid
+        tokens of w, w^2, alpha, |alpha| divided by ``num_tokens`` (partial means),
+        ``extremes`` ``[2]`` float32 (max w, min w; -inf/+inf if none).
     """
     lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
     b, t = lp.shape
@@ -139,7 +150,7 @@ def acrl_weights(
         lp.data_ptr(), lq.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, lp.stride(0), lq.stride(0),
         m.stride(0), sa_b, sa_t, None if per_seq is None else per_seq.data_ptr(), coef0,
         _bound(alpha_max), 0.0 if weight_low is None else weight_low, _bound(weight_high),
-        weights.data_ptr(), sums.data_ptr(), ext.data_ptr(),
+        1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), ext.data_ptr(),
     )  # fmt: skip
     return weights, sums, ext
 

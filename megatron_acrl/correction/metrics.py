@@ -137,6 +137,8 @@ class MismatchTensors:
         extremes: ``[3]`` max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none).
         lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
         valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
+        discrepancy: fused path only, ``[3, 2]`` float64: per distance (``prob_abs``, ``logprob_abs``,
+            ``k3``) the sum over valid sequences of their mean and their number (ACRL's statistics).
     """
 
     ROWS = (
@@ -153,13 +155,23 @@ class MismatchTensors:
                 "correction/_fused_cpu.c (see the log for why it did not build)"
             )
         self.fused = usable if fused is None else fused
+        self.discrepancy: Tensor | None = None  # fused: [3, 2] (sum of Y_i, count) per distance
         if self.fused:
-            self.seq_sums, self.extremes = fused_cpu.mismatch_pass(self.logp, self.logq, m)
+            self.seq_sums, self.extremes, self.discrepancy = fused_cpu.mismatch_pass(self.logp, self.logq, m)
         else:
             self._token_rows()
-        self.lens = self.seq_sums[-1]
-        self.lens_c = self.lens.clamp_min(1)
-        self.valid_f = self.lens.clamp_max(1)
+
+    @functools.cached_property
+    def lens(self) -> Tensor:
+        return self.seq_sums[-1]
+
+    @functools.cached_property
+    def lens_c(self) -> Tensor:
+        return self.lens.clamp_min(1)
+
+    @functools.cached_property
+    def valid_f(self) -> Tensor:
+        return self.lens.clamp_max(1)
 
     def _token_rows(self) -> None:
         """The PyTorch path: every per-token row, and (unless fused) the sums and extrema from them."""

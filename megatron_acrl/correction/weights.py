@@ -31,7 +31,6 @@ from megatron_acrl.correction.metrics import (
     LOG_RATIO_BOUND,
     MismatchTensors,
     _const,
-    _denominator,
     row_sums,
     weight_metrics,
 )
@@ -123,6 +122,8 @@ def acrl_discrepancy_stats(
     """
     row = _distance_row(distance)
     sh = _shared(logp, logq, mask, shared)
+    if sh.discrepancy is not None:  # the fused pass summed them already
+        return sh.discrepancy[fused_cpu.DISCREPANCY_INDEX[row]]
     return torch.stack([sh.seq_mean(row), sh.valid_f]).sum(-1)
 
 
@@ -281,11 +282,11 @@ def _acrl_fused(
         coef: Tensor | float = (1.0 - y_i / max(acrl.x, cfg.eps)) * cfg.gamma
     else:
         coef = cfg.gamma * (1.0 - acrl.y_over_x(cfg.eps))
-    weights, sums, ext = fused_cpu.acrl_weights(
-        sh.logp, sh.logq, sh.mask, advantages, coef,
+    weights, means_t, ext = fused_cpu.acrl_weights(
+        sh.logp, sh.logq, sh.mask, advantages, coef, num_tokens=num_tokens,
         alpha_max=cfg.alpha_max, weight_low=cfg.weight_low, weight_high=cfg.weight_high,
     )  # fmt: skip
-    means = (sums * _denominator(num_tokens, sums)).unbind(0)
+    means = means_t.unbind(0)
     w_max, w_min = ext.unbind(0)
     names = ("correction/weight_mean", "correction/weight_sq_mean", "acrl/alpha_mean", "acrl/alpha_abs_mean")
     metrics = dict(zip(names, means, strict=True))
