@@ -92,12 +92,12 @@ static inline float clampf(float x, float lo, float hi) { return fminf(fmaxf(x, 
  * (0/1) with row stride sm. Writes seq_sums [NROWS, B] float64, the per-sequence sums of the rows
  *   0 log pi, 1 log mu, 2 log mu - log pi, 3 log pi - log mu, 4 |pi - mu|, 5 |log pi - log mu|,
  *   6 k3 = rho - 1 - log rho, 7 rho^2 - 1, 8 valid tokens
- * (log rho clamped to +-LOG_RATIO_BOUND where exponentiated), ext [3] float32: the maxima over
+ * (log rho clamped to +-LOG_RATIO_BOUND where exponentiated), ext [3] float64: the maxima over
  * valid tokens of -log rho, log rho and |pi - mu| (-inf without valid tokens), and dstats [3, 2]
  * float64: for each distance (|pi - mu|, |log pi - log mu|, k3) the sum over sequences with a valid
  * token of their mean distance (the ACRL controller's Y_i) and the number of those sequences. */
 void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mask, int64_t B, int64_t T,
-                        int64_t sp, int64_t sq, int64_t sm, double *seq_sums, float *ext, double *dstats) {
+                        int64_t sp, int64_t sq, int64_t sm, double *seq_sums, double *ext, double *dstats) {
     double y_dp = 0, y_ad = 0, y_k3 = 0, n_seqs = 0;
     float max_neg = -INFINITY, max_pos = -INFINITY, max_dp = -INFINITY;
     for (int64_t b = 0; b < B; ++b) {
@@ -152,12 +152,12 @@ void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mas
  * gamma * (1 - Y / X) per sequence, or NULL for coef0 on every sequence. "No bound" is passed as a
  * large finite number (the file is compiled for finite arithmetic). inv_tokens: 1 / the global token
  * count, so that stats are already partial means. Writes weights [B, T] float32 (contiguous) and
- * stats [4] float64 (sums over valid tokens of w, w^2, alpha, |alpha|, times inv_tokens) and wext [2] float32 (max w
+ * stats [4] float64 (sums over valid tokens of w, w^2, alpha, |alpha|, times inv_tokens) and wext [2] float64 (max w
  * and min w over valid tokens; -inf / +inf without valid tokens). */
 void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask, const float *adv, int64_t B,
                        int64_t T, int64_t sp, int64_t sq, int64_t sm, int64_t sa_b, int64_t sa_t,
                        const double *coef, double coef0, float alpha_max, float w_low, float w_high,
-                       double inv_tokens, float *weights, double *stats, float *wext) {
+                       double inv_tokens, float *weights, double *stats, double *wext) {
     double s_w = 0, s_w2 = 0, s_a = 0, s_aa = 0;
     float w_max = -INFINITY, w_min = INFINITY;
     for (int64_t b = 0; b < B; ++b) {
@@ -201,7 +201,7 @@ void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask
  * out[17] in the order of its _MISMATCH_NAMES (token means of rows 2..7, five sequence means,
  * log E[(prod rho)^2], five extrema). inv_tokens / inv_seqs: 1 / the global token / sequence counts,
  * log_seqs: log of the global sequence count. Runs over B sequences only. */
-void acrl_mismatch_partials(const double *seq_sums, int64_t B, const float *ext, double inv_tokens,
+void acrl_mismatch_partials(const double *seq_sums, int64_t B, const double *ext, double inv_tokens,
                             double inv_seqs, double log_seqs, double *out) {
     for (int r = 2; r < 8; ++r) {
         double s = 0;

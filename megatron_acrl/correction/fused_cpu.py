@@ -83,20 +83,22 @@ def mismatch_pass(logp: Tensor, logq: Tensor, mask: Tensor) -> tuple[Tensor, Ten
         mask: ``[B, T]`` response mask.
     Returns:
         ``seq_sums`` ``[9, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`), ``extremes`` ``[3]``
-        float32: max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none), and
+        float64: max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none), and
         ``discrepancy`` ``[3, 2]`` float64: for ``prob_abs``, ``logprob_abs`` and ``k3`` (rows, in
         :data:`DISCREPANCY_INDEX` order) the sum over sequences with a valid token of their mean
         distance (ACRL's Y_i) and the number of such sequences: ``acrl_discrepancy_stats`` per row.
     """
     lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
     b, t = lp.shape
-    out = torch.empty(NUM_ROWS * b + 6, dtype=torch.float64)
-    ext = torch.empty(3, dtype=torch.float32)
+    # one buffer for every output: on a CPU each allocation is a call worth saving (see the module doc)
+    n = NUM_ROWS * b
+    out = torch.empty(n + 9, dtype=torch.float64)
+    ptr = out.data_ptr()
     _lib().acrl_mismatch_pass(  # type: ignore[union-attr]
         lp.data_ptr(), lq.data_ptr(), m.data_ptr(), b, t, lp.stride(0), lq.stride(0), m.stride(0),
-        out.data_ptr(), ext.data_ptr(), out.data_ptr() + 8 * NUM_ROWS * b,
+        ptr, ptr + 8 * (n + 6), ptr + 8 * n,
     )  # fmt: skip
-    return out[: NUM_ROWS * b].view(NUM_ROWS, b), ext, out[NUM_ROWS * b :].view(3, 2)
+    return out[:n].view(NUM_ROWS, b), out[n + 6 :], out[n : n + 6].view(3, 2)
 
 
 DISCREPANCY_INDEX = {"prob_abs": 0, "logprob_abs": 1, "k3": 2}
@@ -125,7 +127,7 @@ def acrl_weights(
     Returns:
         ``weights`` ``[B, T]`` float32 (0 on padding), ``means`` ``[4]`` float64: sums over valid
         tokens of w, w^2, alpha, |alpha| divided by ``num_tokens`` (partial means),
-        ``extremes`` ``[2]`` float32 (max w, min w; -inf/+inf if none).
+        ``extremes`` ``[2]`` float64 (max w, min w; -inf/+inf if none).
     """
     lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
     b, t = lp.shape
@@ -144,15 +146,14 @@ def acrl_weights(
     else:
         coef0 = float(coef)
     weights = torch.empty((b, t), dtype=torch.float32)
-    sums = torch.empty(4, dtype=torch.float64)
-    ext = torch.empty(2, dtype=torch.float32)
+    sums = torch.empty(6, dtype=torch.float64)  # 4 means, then max w and min w
     _lib().acrl_weights_pass(  # type: ignore[union-attr]
         lp.data_ptr(), lq.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, lp.stride(0), lq.stride(0),
         m.stride(0), sa_b, sa_t, None if per_seq is None else per_seq.data_ptr(), coef0,
         _bound(alpha_max), 0.0 if weight_low is None else weight_low, _bound(weight_high),
-        1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), ext.data_ptr(),
+        1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), sums.data_ptr() + 32,
     )  # fmt: skip
-    return weights, sums, ext
+    return weights, sums[:4], sums[4:]
 
 
 def _bound(x: float | None) -> float:
