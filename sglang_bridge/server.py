@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -43,6 +44,9 @@ from sglang_bridge.cpu_compat import server_env
 
 class ServerStartError(RuntimeError):
     """A server died during start-up or did not become healthy in time (message has its log tail)."""
+
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -237,6 +241,7 @@ class SGLangServer:
         self.name = name or f"sglang@{spec.host}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
+        self._log_start = 0
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -271,6 +276,7 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
         self._log_file.write(f"# {' '.join(self.spec.command(self.port))}\n".encode())
+        self._log_start = self.log_path.stat().st_size  # this launch's part of the log starts here
         # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
         preexec = (
             _die_with_parent
@@ -290,10 +296,39 @@ class SGLangServer:
             _LIVE.add(self)
         return self
 
+    PORT_RETRIES = 3
+    """Relaunches on a fresh port when a picked port was taken before SGLang bound it."""
+
+    def _lost_port_race(self) -> bool:
+        """True when this launch's log shows SGLang could not bind its HTTP port.
+
+        A port picked by :func:`free_port` is only free when picked; another process (often a server
+        starting next to this one, taking ports for its own IPC) can bind it first. SGLang then
+        logs ``[Errno 98] ... address already in use`` and lingers ~10 s before exiting.
+        """
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
+
     def wait_healthy(self, timeout_s: float | None = None) -> None:
-        """Block until ``/model_info`` answers; raise :class:`ServerStartError` (with log tail) otherwise."""
+        """Block until ``/model_info`` answers; raise :class:`ServerStartError` (with log tail) otherwise.
+
+        A server whose automatically picked port was taken before it could bind is relaunched on a
+        new port (at most :attr:`PORT_RETRIES` times); a port the spec fixes is never changed.
+        """
         deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
+        retries = self.PORT_RETRIES
         while True:
+            if self.spec.port is None and retries > 0 and self._lost_port_race():
+                retries -= 1
+                log.warning("%s: port taken before SGLang bound it; relaunching on another port", self.name)
+                self.stop()
+                self._proc = None
+                self.launch()
+                continue
             if not self.alive():
                 rc = self._proc.returncode if self._proc else None
                 tail = self.log_tail()
