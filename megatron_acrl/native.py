@@ -33,13 +33,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-std=c99", "-fno-math-errno", "-fno-trapping-math")
+"""What every kernel is built with: none of these changes a floating-point result."""
+
 CFLAGS = (
-    "-O3",
-    "-fPIC",
-    "-shared",
-    "-std=c99",
-    "-fno-math-errno",
-    "-fno-trapping-math",
+    *BASE_CFLAGS,
     "-fassociative-math",
     "-fno-signed-zeros",
     "-ffinite-math-only",

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_acrl.native import load_library
+from megatron_acrl.native import BASE_CFLAGS, load_library
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -237,15 +237,7 @@ def _fake_quantize_block_reference(
 # Without a C compiler everything takes the PyTorch fast path below (and the reference).
 
 _NATIVE_SOURCE = Path(__file__).with_name("_fp8_block.c")
-FP8_CFLAGS = (
-    "-O3",
-    "-fPIC",
-    "-shared",
-    "-std=c99",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-ffp-contract=off",
-)
+FP8_CFLAGS = (*BASE_CFLAGS, "-ffp-contract=off")
 _NATIVE_DT = {torch.bfloat16: 0, torch.float32: 1}
 USE_NATIVE = True
 """Module switch (tests flip it to compare the native path with the PyTorch one)."""

@@ -293,11 +293,27 @@ def _prepared_batches(trainer: Any) -> tuple[dict, dict]:
     return first, second
 
 
+def _try_load(cfg: Any, ckpt: str | Path) -> str:
+    """Load ``ckpt`` into a fresh Trainer of ``cfg``: 'loaded', or the ConfigError's message."""
+    from megatron_acrl.config import ConfigError
+    from megatron_acrl.megatron import trainer as trainer_mod
+
+    trainer_mod.initialize_parallel(cfg.parallel, SEED)
+    model = trainer_mod.Trainer(cfg)
+    try:
+        model.load_checkpoint(ckpt)
+        return "loaded"
+    except ConfigError as e:
+        return str(e)
+    finally:
+        del model
+        parallel_state.destroy_model_parallel()
+
+
 def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
     """Distributed checkpoints: save under one layout, load under others (identical full weights,
     the optimizer state resharded: the next step matches), a crash inside a save leaves the last
     good checkpoint, and a checkpoint of another model is refused with the mismatched fields."""
-    from megatron_acrl.config import ConfigError
     from megatron_acrl.megatron import trainer as trainer_mod
     from megatron_acrl.megatron.critic import Critic
 
@@ -368,27 +384,9 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         for i, change in enumerate(group.get("mismatch", [])):  # another model: a clear error
             data = config_to_dict(make_config(kind, {}))
             data["model"].update(change)
-            cfg = config_from_dict(data)
-            trainer_mod.initialize_parallel(cfg.parallel, SEED)
-            model = trainer_mod.Trainer(cfg)
-            try:
-                model.load_checkpoint(ckpt)
-                res[f"mismatch{i}"] = "loaded"
-            except ConfigError as e:
-                res[f"mismatch{i}"] = str(e)
-            del model
-            parallel_state.destroy_model_parallel()
+            res[f"mismatch{i}"] = _try_load(config_from_dict(data), ckpt)
         for i, layout in enumerate(group.get("refuse", [])):  # layouts that cannot take its optimizer
-            cfg = make_config(kind, layout)
-            trainer_mod.initialize_parallel(cfg.parallel, SEED)
-            model = trainer_mod.Trainer(cfg)
-            try:
-                model.load_checkpoint(ckpt)
-                res[f"refused{i}"] = "loaded"
-            except ConfigError as e:
-                res[f"refused{i}"] = str(e)
-            del model
-            parallel_state.destroy_model_parallel()
+            res[f"refused{i}"] = _try_load(make_config(kind, layout), ckpt)
         out[group["name"]] = res
     return out
 

@@ -73,7 +73,9 @@ def test_launch_plumbing():
     gpu = ServerSpec(model_path="m", device="cuda", kv_cache_dtype="fp8_e4m3")
     cmd = gpu.command(1234)
     assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and HOOKS_ENV not in gpu.env()
-    cfg = load_config(Path("configs/demo.yaml"), ["rollout.kv_cache_dtype=fp8_e4m3"])
+    cfg = load_config(
+        Path(__file__).resolve().parents[2] / "configs" / "demo.yaml", ["rollout.kv_cache_dtype=fp8_e4m3"]
+    )
     assert cfg.rollout.kv_cache_dtype == "fp8_e4m3"
 
 
