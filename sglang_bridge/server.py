@@ -109,6 +109,11 @@ class ServerSpec:
     cpu, where SGLang offers it only with Intel AMX kernels, emulated in the bf16 cache by the
     ``fp8_kv`` patch of :mod:`sglang_bridge.cpu_compat` (every K and V rounded through e4m3)."""
 
+    sleep_on_idle: bool = True
+    """Block the scheduler on its sockets while no request is queued (``--sleep-on-idle``). Without it
+    an idle SGLang scheduler polls in a busy loop and keeps one CPU core at 100%: on a small CPU
+    machine that core is taken from the trainer (and from a second server) for the whole run."""
+
     extra_args: tuple[str, ...] = ()
     """Further ``launch_server`` flags, passed verbatim."""
 
@@ -160,6 +165,8 @@ class ServerSpec:
             cmd += ["--enable-return-routed-experts"]
         if self.kv_cache_dtype != "auto" and self.device != "cpu":
             cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.sleep_on_idle:
+            cmd += ["--sleep-on-idle"]
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
