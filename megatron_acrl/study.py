@@ -8,7 +8,8 @@ list of overrides: BF16 rollout, FP8 with none / tis / seq_mis / icepop / acrl /
 optionally under the stress quantization). Every run is ``python -m megatron_acrl.train`` in its
 own process (torchrun when the layout has several ranks), so arms share nothing but the cached
 supervised warm-start (one per seed: every arm of a seed starts RL from the same policy) and, with
-``shared_server: true`` (the default), one SGLang server per grid: each run pushes its own initial
+``shared_server: true`` (the default), one SGLang server per grid (two when some arms emulate an FP8
+KV cache, a launch-time setting): each run pushes its own initial
 weights before its first rollout, so a server that outlives the previous run serves exactly what a
 fresh one would, and the grid saves a server start-up per run.
 
@@ -135,12 +136,20 @@ def server_model_dir(grid: Grid) -> str:
     return str(build_checkpoint(cfg.model, seed=grid.seeds[0]))
 
 
+def server_key(cfg: Config) -> str:
+    """What a shared server must be launched with for this run: its KV-cache dtype (the FP8 KV
+    emulation is a launch-time patch); everything else a run needs arrives with its weights."""
+    return cfg.rollout.kv_cache_dtype
+
+
 @contextlib.contextmanager
-def shared_server(grid: Grid, log_dir: Path) -> Iterator[str | None]:
-    """One SGLang CPU server for the grid (None when the grid starts a server per run)."""
+def shared_servers(grid: Grid, log_dir: Path) -> Iterator[dict[str, str]]:
+    """SGLang CPU servers for the grid, one per distinct :func:`server_key` of its arms (a BF16-KV
+    baseline and FP8-KV arms need two); empty when the grid starts a server per run. The servers
+    sleep while idle, so a grid's idle second server costs no CPU."""
     cfg = next(iter(grid.configs.values()))
     if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
-        yield None
+        yield {}
         return
     from megatron_acrl.engine import resolve_device
     from sglang_bridge.server import ServerSpec, SGLangServer
@@ -149,17 +158,28 @@ def shared_server(grid: Grid, log_dir: Path) -> Iterator[str | None]:
     device = resolve_device(cfg)
     if device == "cuda" and any(c.rollout.quantization != "none" for c in grid.configs.values()):
         # A real-FP8 server is started with --quantization fp8 and cannot also serve the BF16 arm.
-        yield None
+        yield {}
         return
-    spec = ServerSpec(model_path=model_dir, device=device, random_seed=grid.seeds[0])  # type: ignore[arg-type]
-    server = SGLangServer(
-        spec, log_dir / f"sglang_{grid.name}.log", startup_timeout_s=cfg.rollout.startup_timeout_s
-    )
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    keys = sorted({server_key(c) for c in grid.configs.values()})
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for key in keys:
+            spec = ServerSpec(
+                model_path=model_dir,
+                device=device,  # type: ignore[arg-type]
+                random_seed=grid.seeds[0],
+                kv_cache_dtype=key,  # type: ignore[arg-type]
+            )
+            suffix = "" if key == "auto" else f"_kv_{key}"
+            server = SGLangServer(
+                spec,
+                log_dir / f"sglang_{grid.name}{suffix}.log",
+                startup_timeout_s=cfg.rollout.startup_timeout_s,
+            )
+            stack.callback(server.stop)
+            server.start()
+            urls[key] = server.url
+        yield urls
 
 
 def run_arm(grid: Grid, arm: str, seed: int, out: Path, server_url: str | None = None) -> Path:
@@ -206,13 +226,13 @@ def run_grid(grid: Grid, out: Path) -> float:
     out.mkdir(parents=True, exist_ok=True)
     retried: set[tuple[str, int]] = set()
     while todo:
-        with shared_server(grid, out) as url:
+        with shared_servers(grid, out) as urls:
             while todo:
                 arm, seed = todo[0]
                 t1 = time.monotonic()
                 print(f"study[{grid.name}]: {arm} seed {seed}", flush=True)
                 try:
-                    run_arm(grid, arm, seed, out, url)
+                    run_arm(grid, arm, seed, out, urls.get(server_key(grid.configs[arm])))
                 except RuntimeError as err:
                     if (arm, seed) in retried:
                         raise
@@ -490,7 +510,13 @@ def write_report(
         + "` from the runs' `metrics.jsonl` (nothing here is edited by hand). Every run is the real loop: "
         "Megatron-Core trainer (CPU, gloo), SGLang CPU rollout server, the weight-sync bridge. FP8 on a "
         "CPU server is *fake-quant*: the trainer quantizes -> dequantizes and sends bf16 weights, so the "
-        "rollout sees FP8 weight rounding, not FP8 activations or KV cache.",
+        "rollout sees FP8 weight rounding, not FP8 activations"
+        + (
+            "; arms with `rollout.kv_cache_dtype=fp8_e4m3` also round every cached K and V through e4m3 "
+            "(SGLang's FP8 KV cache, emulated in the bf16 cache on CPU)."
+            if any(c.rollout.kv_cache_dtype != "auto" for g in grids for c in g.configs.values())
+            else " or KV cache."
+        ),
         "",
     ]
     if note:

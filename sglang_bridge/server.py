@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from sglang_bridge.cpu_compat import server_env
+from sglang_bridge.cpu_compat import HOOKS_ENV, server_env
 
 
 class ServerStartError(RuntimeError):
@@ -283,6 +283,9 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
         self._log_file.write(f"# {' '.join(self.spec.command(self.port))}\n".encode())
+        env = self.spec.env()
+        if env.get(HOOKS_ENV):  # the log says which CPU emulations (e.g. the FP8 KV cache) this server runs
+            self._log_file.write(f"# {HOOKS_ENV}={env[HOOKS_ENV]}\n".encode())
         self._log_start = self.log_path.stat().st_size  # this launch's part of the log starts here
         # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
         preexec = (
@@ -292,7 +295,7 @@ class SGLangServer:
         )
         self._proc = subprocess.Popen(
             self.spec.command(self.port),
-            env=self.spec.env(),
+            env=env,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

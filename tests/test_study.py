@@ -110,6 +110,11 @@ def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     assert (tmp_path / "report" / "smoke_reward_mean.png").stat().st_size > 1000
     assert "![smoke_reward_mean](smoke_reward_mean.png)" in report
     assert (tmp_path / "report" / "smoke_mismatch_k3_kl.png").exists()
+    # The FP8-KV arm ran on its own shared server, launched with the KV emulation; the BF16 arm did not.
+    assert "round every cached K and V through e4m3" in report
+    logs = tmp_path / "runs"
+    assert "SGLANG_BRIDGE_CPU_HOOKS=fp8_kv" not in (logs / "sglang_smoke.log").read_text()
+    assert "SGLANG_BRIDGE_CPU_HOOKS=fp8_kv" in (logs / "sglang_smoke_kv_fp8_e4m3.log").read_text()
 
 
 def test_grids_sharing_an_arm_run_together(tmp_path):
