@@ -354,6 +354,11 @@ class RolloutConfig(_Section):
     max_concurrency: int = 64
     """Concurrent /generate requests per server."""
 
+    samples_per_request: int = 64
+    """Samples batched into one /generate request. Batches are admitted into one prefill and decoded
+    together; one request per sample (1) makes a CPU server prefill each arrival in its own forward
+    pass between decode steps (about 3x slower for 256 samples of a tiny model)."""
+
     return_routed_experts: bool | None = None
     """Ask SGLang for the experts each token was routed to (server --enable-return-routed-experts;
     MoE models): null = only when model.moe_routing_replay=rollout replays them; true also gives the
@@ -381,6 +386,7 @@ class RolloutConfig(_Section):
             "max_prompt_len",
             "bucket_size_mb",
             "max_concurrency",
+            "samples_per_request",
         ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")

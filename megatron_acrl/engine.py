@@ -165,6 +165,7 @@ class RolloutEngine:
                     api_key=self.api_key,
                     timeout_s=self.cfg.rollout.request_timeout_s,
                     max_concurrency=self.cfg.rollout.max_concurrency,
+                    samples_per_request=self.cfg.rollout.samples_per_request,
                     routed_experts_topk=routed_experts_topk(self.cfg),
                 )
                 for u in self.urls

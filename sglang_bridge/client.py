@@ -32,7 +32,7 @@ import base64
 import itertools
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
@@ -140,6 +140,8 @@ class SGLangClient:
     """Client of one server; use as ``async with`` (or call :meth:`aclose`).
 
     ``routed_experts_topk``: the served MoE model's top-k; set it to request and decode routed experts.
+    ``samples_per_request``: samples batched into one ``/generate`` request by :meth:`generate`
+    (1: one request per sample); ``max_concurrency`` bounds the requests in flight.
     """
 
     def __init__(
@@ -153,8 +155,10 @@ class SGLangClient:
         backoff_s: float = 0.5,
         original_logprobs: bool = False,
         routed_experts_topk: int | None = None,
+        samples_per_request: int = 64,
     ):
         self.url = url.rstrip("/")
+        self.samples_per_request = samples_per_request
         self.routed_experts_topk = routed_experts_topk
         self.retries = retries
         self.backoff_s = backoff_s
@@ -240,14 +244,10 @@ class SGLangClient:
             return 1.0
         return params.temperature
 
-    async def generate_one(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
-    ) -> Sample:
-        """One sample for one prompt (token ids in, token ids + log-probs out)."""
-        prompt = [int(t) for t in prompt_ids]
+    def _body(self, prompt: list[int], params: SamplingParams, rid: str | None) -> dict[str, Any]:
         if not prompt:
             raise ValueError("empty prompt")
-        body = {
+        body: dict[str, Any] = {
             "input_ids": prompt,
             "sampling_params": params.to_json(),
             "return_logprob": True,
@@ -258,8 +258,9 @@ class SGLangClient:
         if self.routed_experts_topk:
             # From position 0: the prompt's routing shapes the KV every output token attends to.
             body.update(return_routed_experts=True, routed_experts_start_len=0)
-        async with self._sem:
-            out = (await self._request("POST", "/generate", body)).json()
+        return body
+
+    def _sample(self, prompt: list[int], out: dict[str, Any], params: SamplingParams) -> Sample:
         mi = out["meta_info"]
         lps = [float(x[0]) for x in mi.get("output_token_logprobs") or []]
         finish = mi.get("finish_reason") or {}
@@ -288,6 +289,35 @@ class SGLangClient:
             routed_experts=experts,
         )
 
+    async def generate_one(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> Sample:
+        """One sample for one prompt (token ids in, token ids + log-probs out)."""
+        prompt = [int(t) for t in prompt_ids]
+        body = self._body(prompt, params, rid)
+        async with self._sem:
+            out = (await self._request("POST", "/generate", body)).json()
+        return self._sample(prompt, out, params)
+
+    async def generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[Sample]:
+        """One sample for each of ``prompts`` (``params[i]`` for prompt i) in a single ``/generate``
+        request: SGLang admits the whole batch into one prefill and decodes it together."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        flat = [[int(t) for t in p] for p in prompts]
+        bodies = [self._body(p, sp, None) for p, sp in zip(flat, params, strict=True)]
+        per_sample = ("input_ids", "sampling_params", "logprob_start_len", "rid")
+        body = {k: [b[k] for b in bodies] for k in per_sample}
+        body.update({k: v for k, v in bodies[0].items() if k not in body})  # the scalar fields
+        async with self._sem:
+            outs = (await self._request("POST", "/generate", body)).json()
+        if not isinstance(outs, list) or len(outs) != len(flat):
+            got = len(outs) if isinstance(outs, list) else type(outs).__name__
+            raise SGLangHTTPError(self.url, "/generate", 200, f"batch of {len(flat)} answered with {got}")
+        return [self._sample(p, o, sp) for p, o, sp in zip(flat, outs, params, strict=True)]
+
     async def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -296,14 +326,24 @@ class SGLangClient:
         *,
         progress: bool | None = None,
         desc: str = "rollout",
+        samples_per_request: int | None = None,
     ) -> list[list[Sample]]:
         """``n`` samples for each prompt, at most ``max_concurrency`` requests in flight.
 
+        Samples go ``samples_per_request`` to a ``/generate`` request (default: the client's). Batched
+        requests are how a CPU server stays fast: each request that arrives on its own is prefilled in
+        its own forward pass between the running batch's decode steps, so one-sample requests cost
+        several times more forward passes than a batch admitted at once (measured: 256 samples of a
+        tiny model 3x faster in batches of 64-256 than as single requests).
+
         Returns ``groups[i][j]``: sample j of prompt i. A progress bar is shown when ``progress`` is
-        True, or by default when there are more than 64 requests.
+        True, or by default when there are more than 64 samples.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        per_req = samples_per_request or self.samples_per_request
+        if per_req < 1:
+            raise ValueError(f"samples_per_request must be >= 1, got {per_req}")
         total = len(prompts) * n
         bar = tqdm(
             total=total,
@@ -312,17 +352,23 @@ class SGLangClient:
             disable=not (progress if progress is not None else total > 64),
         )
         seeds = None if params.seed is None else itertools.count(params.seed)
+        order = [i for i in range(len(prompts)) for _ in range(n)]
+        # Per-sample seeds in sample order, so a seeded rollout does not depend on the batching.
+        sps = [params if seeds is None else replace(params, seed=next(seeds)) for _ in order]
 
-        async def one(i: int) -> Sample:
-            p = params if seeds is None else SamplingParams(**{**asdict(params), "seed": next(seeds)})
-            s = await self.generate_one(prompts[i], p)
-            bar.update(1)
-            return s
+        async def chunk(lo: int) -> list[Sample]:
+            idx = order[lo : lo + per_req]
+            if per_req == 1:
+                out = [await self.generate_one(prompts[idx[0]], sps[lo])]
+            else:
+                out = await self.generate_batch([prompts[i] for i in idx], sps[lo : lo + per_req])
+            bar.update(len(out))
+            return out
 
         try:
-            tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts)) for _ in range(n)]
+            tasks = [asyncio.ensure_future(chunk(lo)) for lo in range(0, total, per_req)]
             try:
-                flat = await asyncio.gather(*tasks)
+                flat = [s for part in await asyncio.gather(*tasks) for s in part]
             except BaseException:
                 for t in tasks:
                     t.cancel()

@@ -51,6 +51,26 @@ def test_greedy_logprobs_are_untempered(sglang_server: SGLangServer, tiny_ckpt: 
     assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 1e-2
 
 
+def test_batched_requests_keep_samples_in_order(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
+    # One /generate per sample vs batches that split prompt groups (3 prompts x 2 samples, 4 per
+    # request): greedy outputs must land on their own prompt, with that prompt's log-probs.
+    model = load_hf(tiny_ckpt)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+
+    async def go(per_request: int) -> list[list]:
+        async with SGLangClient(sglang_server.url, samples_per_request=per_request) as c:
+            return await c.generate(PROMPTS, params, n=2)
+
+    single, batched = asyncio.run(go(1)), asyncio.run(go(4))
+    assert [len(g) for g in batched] == [2, 2, 2]
+    for p, g1, g4 in zip(PROMPTS, single, batched, strict=True):
+        for a, b in zip(g1, g4, strict=True):
+            assert a.prompt_ids == b.prompt_ids == p
+            assert a.output_ids == b.output_ids and len(b.logprobs) == 6
+        ref = hf_logprobs(model, [p], [g4[0].output_ids], 1.0)[0]
+        assert max(abs(x - y) for x, y in zip(g4[0].logprobs, ref, strict=True)) < 1e-2
+
+
 def test_server_killed_mid_request_gives_clear_error(victim_server: SGLangServer) -> None:
     async def go() -> None:
         async with SGLangClient(victim_server.url, retries=2, backoff_s=0.2, timeout_s=60) as c:
