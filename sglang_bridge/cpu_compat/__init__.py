@@ -17,7 +17,9 @@ CPU torch.
    selected by name in ``SGLANG_BRIDGE_CPU_HOOKS``): ``r3_alloc`` for servers that return routed experts
    (R3, ``--enable-return-routed-experts``) gives SGLang's routed-experts host buffer a plain CPU
    allocator (SGLang would pin it with ``cudaHostRegister`` and die at start-up); ``fp8_kv`` emulates
-   an FP8 (e4m3) KV cache, which SGLang's CPU engine only offers with Intel AMX kernels.
+   an FP8 (e4m3) KV cache, which SGLang's CPU engine only offers with Intel AMX kernels. Every CPU
+   server also gets ``paused_sleep``: with ``--sleep-on-idle`` a *paused* scheduler (a weight update)
+   sleeps on its sockets like an idle one instead of spinning on a core.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def server_env(
 
     Starts from ``base`` (default: this process's environment). For ``cpu`` it adds the variables
     above and the stand-in directory, and the patches asked for: ``routed_experts`` (the R3 allocator
-    fix) and ``fp8_kv_cache`` (the emulated FP8 KV cache). For ``cuda`` it leaves SGLang's real
-    kernels alone (there the FP8 KV cache is SGLang's own, ``--kv-cache-dtype fp8_e4m3``).
+    fix) and ``fp8_kv_cache`` (the emulated FP8 KV cache), plus ``paused_sleep`` always. For ``cuda``
+    it leaves SGLang's real kernels alone (there the FP8 KV cache is SGLang's own,
+    ``--kv-cache-dtype fp8_e4m3``).
     """
     env = dict(os.environ if base is None else base)
     # A server started from a torchrun/srun rank would otherwise inherit the trainer's rendezvous
@@ -87,6 +90,7 @@ def server_env(
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
         hooks = [name for name, on in (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache)) if on]
+        hooks.append("paused_sleep")  # every CPU server: a no-op unless it runs with --sleep-on-idle
         old = env.get("PYTHONPATH", "")
         dirs = [str(CPU_HOOK_DIR)] if hooks else []
         env["PYTHONPATH"] = os.pathsep.join([*dirs, str(STAND_IN_DIR)] + ([old] if old else []))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
@@ -252,3 +253,36 @@ def test_pause_continue_with_inflight_requests(synchronizer, sglang_server, rest
     # The version segments say which tokens came from which weights (retract recomputes the KV cache).
     spans = [[seg["version"] for seg in s.weight_versions] for s in samples]
     assert any(len(v) > 1 for v in spans), spans
+
+
+def _scheduler_runnable_fraction(pid: int, samples: int = 50, every_s: float = 0.02) -> float:
+    """Fraction of samples in which the server's scheduler process is running or runnable (``R``).
+
+    State, not CPU time: a spinning process is ``R`` even while a loaded machine gives it no core, so
+    the check holds on a busy CI box where CPU seconds would not."""
+    (sched,) = [p for p in psutil.Process(pid).children(recursive=True) if "scheduler" in p.name()]
+    running = 0
+    for _ in range(samples):
+        running += sched.status() == psutil.STATUS_RUNNING
+        time.sleep(every_s)
+    return running / samples
+
+
+def test_paused_scheduler_sleeps(sglang_server: SGLangServer) -> None:
+    """While paused (the whole of a weight update) the scheduler sleeps on its sockets like an idle
+    one (the ``paused_sleep`` CPU patch + ``--sleep-on-idle``); SGLang's own paused loop spins on a
+    core, which on 2 cores is taken from the trainer's FP8 packing and send. It still wakes for the
+    next request."""
+    assert sglang_server.pid is not None
+
+    async def call(method: str, *args: object) -> object:
+        async with SGLangClient(sglang_server.url) as c:
+            return await getattr(c, method)(*args)
+
+    asyncio.run(call("pause_generation", "retract"))
+    try:
+        paused = _scheduler_runnable_fraction(sglang_server.pid)
+    finally:
+        asyncio.run(call("continue_generation"))
+    assert paused < 0.5, f"paused scheduler runnable in {paused:.0%} of samples: spinning"
+    assert len(_generate(sglang_server.url, GREEDY)[0].output_ids) == 8  # and it serves after continue
