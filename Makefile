@@ -43,7 +43,7 @@ demo: $(STAMP)
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
 
 # The mismatch study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run
-# concurrently (--jobs 3, each with one shared SGLang server) -> docs/study/REPORT.md with plots;
+# concurrently (--jobs 3, each with its shared SGLang servers) -> docs/study/REPORT.md with plots;
 # prints the total wall time.
 study: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/dense.yaml configs/study/dense_stress.yaml \
