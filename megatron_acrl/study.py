@@ -169,6 +169,10 @@ def shared_servers(grid: Grid, log_dir: Path) -> Iterator[dict[str, str]]:
                 device=device,  # type: ignore[arg-type]
                 random_seed=grid.seeds[0],
                 kv_cache_dtype=key,  # type: ignore[arg-type]
+                # One intra-op thread, like the runs' trainers: grids run concurrently (--jobs), and
+                # OpenMP threads spin-waiting on an oversubscribed 2-core machine made steps 10-20x
+                # slower with three 2-thread servers. A tiny model gains little from a second thread.
+                extra_env=(("OMP_NUM_THREADS", "1"),),
             )
             suffix = "" if key == "auto" else f"_kv_{key}"
             server = SGLangServer(
