@@ -19,19 +19,24 @@ every rep), median of ``reps``:
 Also block-FP8 quantize throughput (the bridge's real-mode path: e4m3 + scales into preallocated
 outputs) vs a plain copy of the same input bytes, interleaved. Prints the bridge's median breakdown
 (quantize / pack run on the packing thread, overlapped with "wire"; "wait" is the part of them the
-transfer did not hide), then ``quantize efficiency: <copy time / quantize time>`` and, last,
-``sync efficiency: <raw / bridge>``.
+transfer did not hide), the mean CPU seconds each path costs the trainer process and the server's
+process tree (less sensitive to other jobs than wall time on a shared machine) and the load average,
+then ``quantize efficiency: <copy time / quantize time>`` and, last, ``sync efficiency: <raw / bridge>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from statistics import median
 
+import psutil
 import torch
 
 from megatron_acrl.config import ModelConfig
@@ -88,6 +93,29 @@ def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
     return time.perf_counter() - t0
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of this process and of the server's process tree, per call.
+
+    On a shared machine wall times swing with other jobs' load; the CPU each side spends per sync
+    does much less, and shows what the bridge costs beyond the raw transfer (quantize/pack on the
+    trainer, per-request and lifecycle work on the server)."""
+
+    def __init__(self, server_pid: int):
+        root = psutil.Process(server_pid)
+        self.server = [root, *root.children(recursive=True)]
+        self.me = psutil.Process()
+
+    @staticmethod
+    def _cpu(procs: list[psutil.Process]) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    def __call__(self, fn: Callable[[], float]) -> tuple[float, float, float]:
+        """Run ``fn`` (returns its wall seconds); returns (wall, trainer cpu, server cpu)."""
+        c0, s0 = self._cpu([self.me]), self._cpu(self.server)
+        wall = fn()
+        return wall, self._cpu([self.me]) - c0, self._cpu(self.server) - s0
+
+
 def bench_quantize(
     named: dict[str, torch.Tensor], scheme: Fp8Scheme, reps: int
 ) -> tuple[list[float], list[float], list[float], int]:
@@ -132,6 +160,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit
+    load0 = os.getloadavg()[0]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
     cfg = ModelConfig(
         num_layers=args.layers,
@@ -176,16 +205,26 @@ def main() -> None:
             warm = sync.sync(named, version="warmup")
             assert warm.num_bytes == nbytes, (warm.num_bytes, nbytes)  # same bytes on the wire
             raw_transfer(sync, flat)
+            assert srv.pid is not None
+            meter = CpuMeter(srv.pid)
             raws: list[float] = []
             reports: list[SyncReport] = []
+            cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "bridge": []}
+
+            def timed_sync(version: str) -> float:
+                reports.append(sync.sync(named, version=version))
+                return reports[-1].seconds
+
             for i in range(args.reps):
                 # Interleaved, and the order flips every rep so neither side always runs second.
                 order = ("raw", "bridge") if i % 2 == 0 else ("bridge", "raw")
                 for which in order:
                     if which == "raw":
-                        raws.append(raw_transfer(sync, flat))
+                        wall, mine, server = meter(lambda: raw_transfer(sync, flat))
+                        raws.append(wall)
                     else:
-                        reports.append(sync.sync(named, version=f"bench-{i}"))
+                        _, mine, server = meter(functools.partial(timed_sync, f"bench-{i}"))
+                    cpu[which].append((mine, server))
                 rep = reports[-1]
                 print(
                     f"rep {i}: raw {raws[-1]:.3f}s, bridge {rep.seconds:.3f}s {rep.num_buckets} buckets "
@@ -202,6 +241,15 @@ def main() -> None:
     print(f"bridge breakdown (medians of {args.reps}; quantize/pack run on the packing thread, overlapped):")
     for key in reports[-1].timings:
         print(f"  {key:<12} {median([r.timings[key] for r in reports]):.4f}s")
+    total: dict[str, float] = {}
+    for which in ("raw", "bridge"):
+        # Means: CPU times tick in 10 ms steps, a median of them would round to the tick.
+        mine = sum(c[0] for c in cpu[which]) / len(cpu[which])
+        server = sum(c[1] for c in cpu[which]) / len(cpu[which])
+        total[which] = mine + server
+        print(f"{which + ' cpu:':<12} trainer {mine:.3f}s, server {server:.3f}s per transfer (means)")
+    print(f"cpu ratio (raw / bridge, trainer + server): {total['raw'] / total['bridge']:.3f}")
+    print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print(f"raw transfer: {raw_t:.3f}s ({nbytes / raw_t / 1e9:.2f} GB/s)")
     print(f"bridge sync:  {bridge_t:.3f}s ({nbytes / bridge_t / 1e9:.2f} GB/s)")
     print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
