@@ -185,14 +185,15 @@ def test_config_switch_is_validated():
 def test_server_spec_requests_routed_experts_with_cpu_hook():
     plain = ServerSpec(model_path="m", device="cpu")
     r3 = ServerSpec(model_path="m", device="cpu", return_routed_experts=True)
-    assert (
-        "--enable-return-routed-experts" not in plain.command(1)
-        and str(R3_HOOK_DIR) not in plain.env()["PYTHONPATH"]
-    )
+    # Every CPU server runs the hooks module (the paused_sleep patch); only R3 selects r3_alloc.
+    assert "--enable-return-routed-experts" not in plain.command(1)
+    assert "r3_alloc" not in plain.env()[HOOKS_ENV].split(",")
     assert "--enable-return-routed-experts" in r3.command(1)
+    assert "r3_alloc" in r3.env()[HOOKS_ENV].split(",")
     assert r3.env()["PYTHONPATH"].split(":")[:2] == [str(R3_HOOK_DIR), str(STAND_IN_DIR)]
     gpu = ServerSpec(model_path="m", device="cuda", return_routed_experts=True)
     assert str(R3_HOOK_DIR) not in gpu.env().get("PYTHONPATH", "")  # real CUDA hosts pin the buffer
+    assert HOOKS_ENV not in gpu.env()
 
 
 def test_cpu_allocator_hook_in_a_child(tmp_path):
