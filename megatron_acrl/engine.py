@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.config import Config
+from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress
 from sglang_bridge.server import ServerSpec, SGLangServer
@@ -58,6 +58,26 @@ def resolve_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_fp8_mode(cfg: Config, device: str) -> str:
+    """``rollout.fp8_mode`` on ``device``: auto is real FP8 on cuda servers and fake-quant on CPU
+    servers; fake also works on cuda (FP8-rounded bf16 on a bf16 server, e.g. to compare with a CPU
+    run); real on a CPU server is refused, since SGLang serves FP8 there only with Intel AMX kernels."""
+    mode = cfg.rollout.fp8_mode
+    if mode == "auto":
+        return "real" if device == "cuda" else "fake"
+    if mode == "real" and device != "cuda" and cfg.rollout.quantization != "none":
+        raise ConfigError(
+            [
+                (
+                    "rollout.fp8_mode",
+                    f"real FP8 needs a cuda server, but the rollout device is {device}; use fp8_mode "
+                    "auto or fake (FP8-rounded bf16), or rollout.device=cuda",
+                )
+            ]
+        )
+    return mode
+
+
 class RolloutEngine:
     """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0.
 
@@ -72,7 +92,23 @@ class RolloutEngine:
         self.model_dir = str(model_dir)
         self.log_dir = Path(log_dir)
         self.device = resolve_device(cfg)
+        self.fp8_mode = resolve_fp8_mode(cfg, self.device)
         r = cfg.rollout
+        self.scheme = fp8_scheme(cfg)
+        # Stress emulation (truncated / coarser e4m3, quantized routers) is applied here, before the
+        # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids. Checked before
+        # any server starts.
+        self.stress = self.scheme is not None and r.stress_quantization
+        if self.stress and self.fp8_mode == "real":
+            raise ConfigError(
+                [
+                    (
+                        "rollout.fp8_mode",
+                        "fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
+                        "and a cuda server gets real FP8 under fp8_mode auto; set rollout.fp8_mode=fake",
+                    )
+                ]
+            )
         self.api_key = os.environ.get(r.api_key_env) if r.api_key_env else None
         if r.api_key_env and not self.api_key:
             raise RuntimeError(
@@ -93,16 +129,6 @@ class RolloutEngine:
             for s in self.servers:
                 s.wait_healthy()
             self.urls = [s.url for s in self.servers]
-        self.scheme = fp8_scheme(cfg)
-        self.fp8_mode = "real" if self.device == "cuda" else "fake"
-        # Stress emulation (truncated / coarser e4m3, quantized routers) is applied here, before the
-        # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
-        self.stress = self.scheme is not None and r.stress_quantization
-        if self.stress and self.fp8_mode == "real":
-            raise RuntimeError(
-                "rollout.fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
-                "for bf16 (CPU) servers; a cuda server gets real FP8, so drop them there"
-            )
         self.sync: DistributedWeightSynchronizer | None = None
         self._connect()
 
@@ -116,8 +142,8 @@ class RolloutEngine:
             tp=r.server_tp,
             api_key=self.api_key,
             random_seed=self.cfg.training.seed + i,
-            # Real FP8 on a GPU: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
-            quantization="fp8" if self.device == "cuda" and r.quantization != "none" else None,
+            # Real FP8: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
+            quantization="fp8" if self.fp8_mode == "real" and r.quantization != "none" else None,
             return_routed_experts=routed_experts_topk(self.cfg) is not None,
             kv_cache_dtype=r.kv_cache_dtype,
         )

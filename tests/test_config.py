@@ -186,3 +186,25 @@ def test_cli_reports_errors_with_exit_code_2():
         text=True,
     )
     assert res.returncode == 2 and "did you mean 'correction.gamma'" in res.stderr
+
+
+def test_fp8_mode_is_honoured_per_device(tmp_path):
+    from megatron_acrl.engine import RolloutEngine, resolve_fp8_mode
+
+    def cfg(*overrides: str):
+        return load_config(ROOT / "configs/tiny_dense.yaml", ["rollout.quantization=fp8_block", *overrides])
+
+    assert resolve_fp8_mode(cfg(), "cpu") == "fake" and resolve_fp8_mode(cfg(), "cuda") == "real"
+    # fake also on a cuda server (FP8-rounded bf16); real FP8 cannot be served by a CPU server
+    assert resolve_fp8_mode(cfg("rollout.fp8_mode=fake"), "cuda") == "fake"
+    with pytest.raises(ConfigError, match=r"rollout\.fp8_mode: real FP8 needs a cuda server"):
+        resolve_fp8_mode(cfg("rollout.fp8_mode=real"), "cpu")
+    tiny = ROOT / "configs/tiny_dense.yaml"
+    bf16 = load_config(tiny, ["rollout.quantization=none", "rollout.fp8_mode=real"])
+    assert resolve_fp8_mode(bf16, "cpu") == "real"  # nothing is quantized, so nothing to refuse
+    # Refused before any server starts (the engine would otherwise launch one on the CPU first).
+    with pytest.raises(ConfigError, match="rollout.fp8_mode"):
+        RolloutEngine(cfg("rollout.fp8_mode=real", "rollout.device=cpu"), tmp_path / "m", tmp_path)
+    stress = cfg("rollout.fp8_rounding=toward_zero", "rollout.device=cuda")
+    with pytest.raises(ConfigError, match="set rollout.fp8_mode=fake"):
+        RolloutEngine(stress, tmp_path / "m", tmp_path)
