@@ -240,6 +240,27 @@ class WeightSynchronizer(ABC):
         self.close()
 
 
+def host_update_store(
+    master_address: str, master_port: int, world_size: int, timeout: timedelta
+) -> dist.TCPStore:
+    """Rank 0's TCP store of the weight-update group, bound *before* any server is told its port.
+
+    ``master_port=0`` lets the OS pick a free port at bind time (read it back from ``store.port``).
+    Picking a "free" port first and binding it later is racy: another process (a server starting
+    next to us takes several ports for its own IPC) can take it in between, and the servers would
+    then dial whatever took it.
+    """
+    try:
+        return dist.TCPStore(
+            master_address, master_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as e:
+        raise WeightSyncError(
+            f"cannot host the weight-update store on {master_address}:{master_port} ({e}); leave "
+            "master_port unset to let the OS pick a free port, or choose one that is free"
+        ) from e
+
+
 def create_update_group(
     backend: str,
     master_address: str,
@@ -248,6 +269,7 @@ def create_update_group(
     rank: int,
     group_name: str,
     timeout: timedelta,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
     """The trainer's end of the weight-update group, built exactly like SGLang's server end.
 
@@ -261,9 +283,15 @@ def create_update_group(
     # A TCPStore built directly, not dist.rendezvous("tcp://..."): under torchrun the rendezvous
     # handler sees TORCHELASTIC_USE_AGENT_STORE and joins the *agent's* store as a client instead of
     # hosting this one, so trainer and servers would all wait for a host that never comes.
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    if store is None:  # ``store``: one already hosted by :func:`host_update_store`
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -443,10 +471,12 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         """Rendezvous with every server through ``/init_weights_update_group``."""
         if self.group is not None:
             return
-        from sglang_bridge.server import free_port
-
-        port = self.master_port or free_port(self.master_address)
         world = 1 + sum(self.server_tp)
+        # Bind first, then tell the servers the port the store actually holds (see host_update_store).
+        store = host_update_store(
+            self.master_address, self.master_port or 0, world, timedelta(seconds=self.timeout_s)
+        )
+        port = store.port
         offsets = [1 + sum(self.server_tp[:i]) for i in range(len(self.urls))]
 
         async def init_all() -> list[Any]:
@@ -471,6 +501,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                 0,
                 self.group_name,
                 timedelta(seconds=self.timeout_s),
+                store=store,
             )
             results = fut.result(timeout=self.timeout_s)
         except BaseException as e:
@@ -916,4 +947,5 @@ __all__ = [
     "WeightSynchronizer",
     "broadcast_async",
     "create_update_group",
+    "host_update_store",
 ]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -29,6 +31,7 @@ from sglang_bridge.weight_sync import (
     ManifestMismatchError,
     WeightSyncError,
     _Bucket,
+    host_update_store,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -286,3 +289,22 @@ def test_paused_scheduler_sleeps(sglang_server: SGLangServer) -> None:
         asyncio.run(call("continue_generation"))
     assert paused < 0.5, f"paused scheduler runnable in {paused:.0%} of samples: spinning"
     assert len(_generate(sglang_server.url, GREEDY)[0].output_ids) == 8  # and it serves after continue
+
+
+def test_update_store_is_bound_before_servers_hear_the_port(manifest: Manifest) -> None:
+    # Port 0: the OS picks the port at bind time, so nothing can take it between choice and bind.
+    store = host_update_store("127.0.0.1", 0, 2, timedelta(seconds=5))
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))  # held by the store
+    # A fixed master_port that is taken fails before any server is contacted (this URL has none).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        sync = DistributedWeightSynchronizer(
+            ["http://127.0.0.1:9"], manifest, master_port=busy.getsockname()[1], timeout_s=5
+        )
+        try:
+            with pytest.raises(WeightSyncError, match="leave master_port unset"):
+                sync.connect()
+        finally:
+            sync.close()
