@@ -28,6 +28,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_RETRIES = 3
+"""Relaunches of a scenario whose rendezvous port was taken before rank 0 bound it."""
+
+
+class _PortTaken(RuntimeError):
+    """A launch failed only because its rendezvous port was taken."""
+
+
 def launch(
     scenario: str,
     world_size: int,
@@ -35,7 +43,23 @@ def launch(
     timeout: float = 600,
     worker: Path = WORKER,
 ) -> list[Any]:
-    """Run ``scenario`` of ``worker`` on ``world_size`` gloo ranks; return each rank's result object."""
+    """Run ``scenario`` of ``worker`` on ``world_size`` gloo ranks; return each rank's result object.
+
+    The rendezvous port is picked free and bound later by rank 0, so another process can take it in
+    between (the test session runs SGLang servers that grab ports): a launch that failed only because
+    the port was taken is retried on a fresh one, at most ``PORT_RETRIES`` times."""
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            return _launch_once(scenario, world_size, args, timeout, worker)
+        except _PortTaken:
+            if attempt == PORT_RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    scenario: str, world_size: int, args: dict[str, Any] | None, timeout: float, worker: Path
+) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix=f"mcore_{scenario}_") as out:
         port = _free_port()
         procs = []
@@ -82,7 +106,10 @@ def launch(
             tails = "\n".join(
                 f"--- rank {r} (rc={procs[r].returncode}) ---\n{t[-4000:]}" for r, t in enumerate(texts)
             )
-            raise RuntimeError(f"scenario {scenario!r} on {world_size} ranks: {failed}\n{tails}")
+            msg = f"scenario {scenario!r} on {world_size} ranks: {failed}\n{tails}"
+            if any("address already in use" in t.lower() for t in texts):
+                raise _PortTaken(msg)
+            raise RuntimeError(msg)
         return [torch.load(Path(out) / f"rank_{r}.pt", weights_only=False) for r in range(world_size)]
 
 
