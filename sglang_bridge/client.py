@@ -341,7 +341,7 @@ class SGLangClient:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        per_req = samples_per_request or self.samples_per_request
+        per_req = self.samples_per_request if samples_per_request is None else samples_per_request
         if per_req < 1:
             raise ValueError(f"samples_per_request must be >= 1, got {per_req}")
         total = len(prompts) * n

@@ -92,10 +92,8 @@ def server_env(
         hooks = [name for name, on in (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache)) if on]
         hooks.append("paused_sleep")  # every CPU server: a no-op unless it runs with --sleep-on-idle
         old = env.get("PYTHONPATH", "")
-        dirs = [str(CPU_HOOK_DIR)] if hooks else []
-        env["PYTHONPATH"] = os.pathsep.join([*dirs, str(STAND_IN_DIR)] + ([old] if old else []))
-        if hooks:
-            env[HOOKS_ENV] = ",".join(hooks)
+        env["PYTHONPATH"] = os.pathsep.join([str(CPU_HOOK_DIR), str(STAND_IN_DIR)] + ([old] if old else []))
+        env[HOOKS_ENV] = ",".join(hooks)
     return env
 
 
