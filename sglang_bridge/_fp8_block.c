@@ -18,11 +18,20 @@
  * megatron_acrl/native.py (see FP8_CFLAGS in fp8.py: no -ffast-math family, no FP contraction);
  * NaN handling is written with comparisons whose false branch keeps the NaN.
  *
- * Plain C99, no Python or torch headers; called through ctypes (which releases the GIL).
+ * bf16 weights on AVX-512BW take a table path (fake_seg_bf16_tab below) that gives the same bits
+ * without dividing: per block, the result depends on the 7 mantissa bits of x alone once the
+ * exponent is factored out.
+ *
+ * Plain C99 (plus AVX-512 intrinsics in one function built for that target only), no Python or
+ * torch headers; called through ctypes (which releases the GIL).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_TABLE_PATH 1
+#endif
 
 /* Hot loops are compiled for AVX-512 / AVX2 / baseline x86-64 and picked at load time (GCC
  * function multi-versioning), so a library cached in a shared home directory stays valid on every
@@ -114,9 +123,34 @@ INLINE uint32_t seg_amax(const void *row, int dt, int64_t c0, int64_t c1, uint32
     return m;
 }
 
+/* Column-wise running max of the magnitude bits of bf16 rows [r0, r1) into acc [k], then each
+ * block's max: one vertical max per element (vectorised) instead of a horizontal reduction per
+ * row segment. */
+INLINE void bf16_block_amax(const uint16_t *w, int64_t r0, int64_t r1, int64_t k, int64_t ld,
+                            int64_t bk, int64_t kb, uint16_t *acc, uint32_t *amax) {
+    memset(acc, 0, (size_t)k * sizeof(uint16_t));
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *row = w + r * ld;
+        for (int64_t c = 0; c < k; c++) {
+            uint16_t v = row[c] & 0x7FFFu;
+            acc[c] = v > acc[c] ? v : acc[c];
+        }
+    }
+    for (int64_t j = 0; j < kb; j++) {
+        int64_t c1 = (j + 1) * bk < k ? (j + 1) * bk : k;
+        amax[j] = seg_amax(acc, DT_BF16, j * bk, c1, 0);
+    }
+}
+
 INLINE void block_row_scales(const void *w, int dt, int64_t r0, int64_t r1, int64_t k, int64_t ld,
-                             int64_t bk, int64_t kb, int ue8m0, uint32_t *amax, float *scale) {
+                             int64_t bk, int64_t kb, int ue8m0, uint32_t *amax, float *scale,
+                             uint16_t *acc) {
     size_t es = dt == DT_BF16 ? 2 : 4;
+    if (dt == DT_BF16 && acc) {
+        bf16_block_amax((const uint16_t *)w, r0, r1, k, ld, bk, kb, acc, amax);
+        for (int64_t j = 0; j < kb; j++) scale[j] = block_scale(amax[j], ue8m0);
+        return;
+    }
     for (int64_t j = 0; j < kb; j++) amax[j] = 0;
     for (int64_t r = r0; r < r1; r++) {
         const char *row = (const char *)w + (size_t)(r * ld) * es;
@@ -172,6 +206,126 @@ INLINE void fake_seg_generic(const void *x, int dt, void *o, int64_t n, float s,
     }
 }
 
+/* ---- Table path (bf16 fake-quant) ----
+ * For a bf16 x = +-2^E * 1.f (f: 7 bits) whose quotient y = x / s is an e4m3 normal (|y| >= 2^-6),
+ * every step above is exact up to a power of two: the correctly rounded x / s, the e4m3 rounding
+ * (relative to y's exponent, in every rounding mode and mantissa width), the fp32 product and its
+ * bf16 rounding all scale by 2^(E - E0) when x does, as no value under- or overflows (y <= 448
+ * because |x| <= amax; s >= 1e-12 / 448, so the products are far from fp32's subnormals). So the
+ * result's bits are (x's sign and exponent bits) + T[f], T[f] = fake(2^E0 * 1.f) - (E0's exponent
+ * bits) in 16-bit wrap-around arithmetic, for one E0 per block: a 128-entry table built from the
+ * scalar code above, looked up 32 lanes at a time with two-source word permutes. Lanes below
+ * 2^E_lo (e4m3 subnormals, zeros, bf16 subnormals) and inf / NaN lanes (whose block scale is NaN,
+ * inf, or with UE8M0 the finite 2^127) take the scalar code; blocks whose scale is not a normal
+ * number never take the table. */
+typedef struct {
+    uint16_t t[128];
+    uint16_t lo; /* magnitude bits 2^E_lo: the smallest bf16 exponent whose quotients are normal */
+    int ok;
+} fake_table;
+
+/* The scalar fake-quant of one bf16 pattern (any mode). */
+INLINE uint16_t fake_one_bf16(uint16_t xb, float s, int plain, int toward_zero, uint32_t tz_mask,
+                              int32_t sub_mask, float nan_val) {
+    uint16_t o;
+    if (plain)
+        fake_seg_bf16(&xb, &o, 1, s);
+    else
+        fake_seg_generic(&xb, DT_BF16, &o, 1, s, toward_zero, tz_mask, sub_mask, nan_val);
+    return o;
+}
+
+INLINE void build_table(float s, fake_table *tb, int plain, int toward_zero, uint32_t tz_mask,
+                        int32_t sub_mask, float nan_val) {
+    tb->ok = 0;
+    if (!(s >= 1.17549435e-38f && s <= 3.40282347e38f)) return;
+    /* E_lo: the smallest biased exponent with fl(2^(E-127) / s) >= 2^-6; the correctly rounded
+     * quotient is monotone in x, so every x of that exponent or above qualifies. */
+    int32_t e = (int32_t)((f2u(s) >> 23) & 0xFFu) - 8;
+    e = e < 2 ? 2 : e;
+    while (e < 254 && u2f((uint32_t)e << 23) / s < 0.015625f) e++;
+    if (e >= 254) return;
+    /* the 128 entries through the (vectorised) segment code, as one segment */
+    uint16_t xs[128], os[128];
+    for (uint32_t f = 0; f < 128; f++) xs[f] = (uint16_t)(((uint32_t)e << 7) | f);
+    if (plain)
+        fake_seg_bf16(xs, os, 128, s);
+    else
+        fake_seg_generic(xs, DT_BF16, os, 128, s, toward_zero, tz_mask, sub_mask, nan_val);
+    for (uint32_t f = 0; f < 128; f++) tb->t[f] = (uint16_t)(os[f] - (uint16_t)((uint32_t)e << 7));
+    tb->lo = (uint16_t)((uint32_t)e << 7);
+    tb->ok = 1;
+}
+
+#ifdef HAVE_TABLE_PATH
+#define AVX512BW __attribute__((target("avx512f,avx512bw")))
+AVX512BW INLINE void fake_seg_bf16_tab(const uint16_t *x, uint16_t *o, int64_t n, float s,
+                                       const fake_table *tb, int plain, int toward_zero,
+                                       uint32_t tz_mask, int32_t sub_mask, float nan_val) {
+    const __m512i t0 = _mm512_loadu_si512(tb->t), t1 = _mm512_loadu_si512(tb->t + 32);
+    const __m512i t2 = _mm512_loadu_si512(tb->t + 64), t3 = _mm512_loadu_si512(tb->t + 96);
+    const __m512i mag = _mm512_set1_epi16(0x7FFF), hi_bit = _mm512_set1_epi16(0x40);
+    const __m512i sign_exp = _mm512_set1_epi16((short)0xFF80), lo = _mm512_set1_epi16((short)tb->lo);
+    /* |x| bits - lo, unsigned: below lo wraps around, so one compare finds both kinds of slow lane */
+    const __m512i span = _mm512_set1_epi16((short)(0x7F80 - tb->lo));
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32) {
+        __m512i v = _mm512_loadu_si512(x + c);
+        /* vpermt2w reads the low 6 bits of each index: entries 0-63 from (t0, t1), 64-127 from (t2, t3) */
+        __m512i a = _mm512_permutex2var_epi16(t0, v, t1);
+        __m512i b = _mm512_permutex2var_epi16(t2, v, t3);
+        __m512i t = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, hi_bit), a, b);
+        __m512i r = _mm512_add_epi16(_mm512_and_si512(v, sign_exp), t);
+        __mmask32 slow = _mm512_cmpge_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), lo), span);
+        if (slow) { /* rare in real weights: |x| below ~amax * 2^-15, or not finite */
+            uint16_t xv[32]; /* the inputs, kept: o may be x (in-place fake-quant) */
+            _mm512_storeu_si512(xv, v);
+            _mm512_storeu_si512(o + c, r);
+            for (; slow; slow &= slow - 1) {
+                int i = __builtin_ctz(slow);
+                o[c + i] = fake_one_bf16(xv[i], s, plain, toward_zero, tz_mask, sub_mask, nan_val);
+            }
+        } else {
+            _mm512_storeu_si512(o + c, r);
+        }
+    }
+    for (; c < n; c++) o[c] = fake_one_bf16(x[c], s, plain, toward_zero, tz_mask, sub_mask, nan_val);
+}
+
+/* Rows [r0, r1) of one block row (bf16): the table where the block has one, else the scalar code.
+ * One call per block row, so the per-segment work stays inside one AVX-512 function. */
+AVX512BW __attribute__((noinline)) static void fake_rows_bf16_tab(
+    const uint16_t *w, int64_t r0, int64_t r1, int64_t k, int64_t ld_w, uint16_t *out, int64_t ld_o,
+    int64_t bk, int64_t kb, const float *scale, const fake_table *tables, int plain, int toward_zero,
+    uint32_t tz_mask, int32_t sub_mask, float nan_val) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *xr = w + r * ld_w;
+        uint16_t *orow = out + r * ld_o;
+        for (int64_t j = 0; j < kb; j++) {
+            int64_t c0 = j * bk, c1 = c0 + bk < k ? c0 + bk : k;
+            if (tables[j].ok)
+                fake_seg_bf16_tab(xr + c0, orow + c0, c1 - c0, scale[j], &tables[j], plain, toward_zero,
+                                  tz_mask, sub_mask, nan_val);
+            else if (plain)
+                fake_seg_bf16(xr + c0, orow + c0, c1 - c0, scale[j]);
+            else
+                fake_seg_generic(xr + c0, DT_BF16, orow + c0, c1 - c0, scale[j], toward_zero, tz_mask,
+                                 sub_mask, nan_val);
+        }
+    }
+}
+
+static int table_path_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+#else
+static int table_path_available(void) { return 0; }
+#endif
+
+/* Whether fp8_block_fake can take the table path on this CPU (1) or not (0). */
+int fp8_table_path(void) { return table_path_available(); }
+
 /* e4m3fn code of x / s: clamp to +-448, round to nearest even (torch's cast), NaN -> 0x7F | sign. */
 INLINE uint8_t e4m3_code(float x, float s) {
     float y = x / s;
@@ -196,13 +350,19 @@ INLINE void quant_seg_f32(const float *x, uint8_t *q, int64_t n, float s) {
 
 /* Fake-quantize w [n, k] (row stride ld_w elements, unit column stride; bf16 or fp32) into out
  * [n, k] (row stride ld_o, same dtype). toward_zero / mbits: the stress grid (0 / 3: production
- * e4m3). Returns 0, or -1 if the scratch allocation failed (nothing written then). */
+ * e4m3). table: take the table path for bf16 where the CPU has it (0: the scalar code only, which
+ * tests compare it with). Returns 0, or -1 if the scratch allocation failed (nothing written then). */
 HOT int fp8_block_fake(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt, void *out, int64_t ld_o,
-                   int64_t bn, int64_t bk, int ue8m0, int toward_zero, int mbits) {
+                   int64_t bn, int64_t bk, int ue8m0, int toward_zero, int mbits, int table) {
     int64_t kb = (k + bk - 1) / bk;
-    uint32_t *amax = (uint32_t *)malloc((size_t)kb * (sizeof(uint32_t) + sizeof(float)));
+    int tab = table && dt == DT_BF16 && table_path_available();
+    size_t scratch = (size_t)kb * (sizeof(uint32_t) + sizeof(float))
+                   + (tab ? (size_t)kb * sizeof(fake_table) + (size_t)k * sizeof(uint16_t) : 0);
+    uint32_t *amax = (uint32_t *)malloc(scratch);
     if (!amax) return -1;
     float *scale = (float *)(amax + kb);
+    fake_table *tables = tab ? (fake_table *)(scale + kb) : NULL;
+    uint16_t *acc = tab ? (uint16_t *)(tables + kb) : NULL;
     size_t es = dt == DT_BF16 ? 2 : 4;
     uint32_t tz_mask = ~((1u << (23 - mbits)) - 1u);
     int32_t sub_mask = ~((1 << (3 - mbits)) - 1);
@@ -211,7 +371,16 @@ HOT int fp8_block_fake(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt
     float nan_val = mbits == 3 ? u2f(0x7FC00000u) : u2f((135u << 23) | ((7u & (uint32_t)sub_mask) << 20));
     for (int64_t r0 = 0; r0 < n; r0 += bn) {
         int64_t r1 = r0 + bn < n ? r0 + bn : n;
-        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale);
+        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale, acc);
+#ifdef HAVE_TABLE_PATH
+        if (tab) {
+            for (int64_t j = 0; j < kb; j++)
+                build_table(scale[j], &tables[j], plain, toward_zero, tz_mask, sub_mask, nan_val);
+            fake_rows_bf16_tab((const uint16_t *)w, r0, r1, k, ld_w, (uint16_t *)out, ld_o, bk, kb, scale,
+                               tables, plain, toward_zero, tz_mask, sub_mask, nan_val);
+            continue;
+        }
+#endif
         for (int64_t r = r0; r < r1; r++) {
             const char *xr = (const char *)w + (size_t)(r * ld_w) * es;
             char *orow = (char *)out + (size_t)(r * ld_o) * es;
@@ -244,7 +413,7 @@ HOT int fp8_block_quant(const void *w, int64_t n, int64_t k, int64_t ld_w, int d
     for (int64_t r0 = 0, i = 0; r0 < n; r0 += bn, i++) {
         int64_t r1 = r0 + bn < n ? r0 + bn : n;
         float *scale = scale_out + i * kb;
-        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale);
+        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale, NULL);
         for (int64_t r = r0; r < r1; r++) {
             const char *xr = (const char *)w + (size_t)(r * ld_w) * es;
             for (int64_t j = 0; j < kb; j++) {

@@ -241,6 +241,9 @@ FP8_CFLAGS = (*BASE_CFLAGS, "-ffp-contract=off")
 _NATIVE_DT = {torch.bfloat16: 0, torch.float32: 1}
 USE_NATIVE = True
 """Module switch (tests flip it to compare the native path with the PyTorch one)."""
+NATIVE_TABLE = True
+"""Module switch: let the C fake-quant take its AVX-512 table path for bf16 (tests flip it to
+compare the table with the kernel's scalar code)."""
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -251,7 +254,9 @@ def _native_lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.fp8_block_fake.restype = _int
-    lib.fp8_block_fake.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _i64, _i64, _int, _int, _int]
+    lib.fp8_block_fake.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _i64, _i64, _int, _int, _int, _int]
+    lib.fp8_table_path.restype = _int
+    lib.fp8_table_path.argtypes = []
     lib.fp8_block_quant.restype = _int
     lib.fp8_block_quant.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _p, _i64, _i64, _int]
     return lib
@@ -260,6 +265,12 @@ def _native_lib() -> ctypes.CDLL | None:
 def native_available() -> bool:
     """Whether the C block quantizer built and loaded on this machine (and is switched on)."""
     return USE_NATIVE and _native_lib() is not None
+
+
+def native_table_path() -> bool:
+    """Whether the C fake-quant takes its table path for bf16 here (an AVX-512BW CPU, switched on)."""
+    lib = _native_lib() if USE_NATIVE else None
+    return NATIVE_TABLE and lib is not None and bool(lib.fp8_table_path())
 
 
 def _native_ok(w: torch.Tensor, *outs: torch.Tensor) -> bool:
@@ -291,6 +302,7 @@ def _native_fake(
     rc = lib.fp8_block_fake(
         w.data_ptr(), n, k, w.stride(0), _NATIVE_DT[w.dtype], out.data_ptr(), k,
         block_size[0], block_size[1], int(ue8m0), int(rounding == "toward_zero"), mantissa_bits,
+        int(NATIVE_TABLE),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("fp8_block_fake: scratch allocation failed")

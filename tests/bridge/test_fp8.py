@@ -30,6 +30,7 @@ from sglang_bridge.fp8 import (
     fake_quantize_block_into,
     fake_quantize_stress,
     native_available,
+    native_table_path,
     quantize_block,
     quantize_block_into,
     quantize_named_tensors,
@@ -160,12 +161,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ib)[~nan], b.view(ib)[~nan])
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "native-scalar", "torch"])
 def block_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on the C kernel (``_fp8_block.c``) and on the PyTorch fast path."""
-    if request.param == "native" and not native_available():
+    """Run a test on the C kernel (``_fp8_block.c``: its bf16 table path where the CPU has one, and
+    its scalar code) and on the PyTorch fast path."""
+    if request.param != "torch" and not native_available():
         pytest.skip("the C block quantizer did not build here (no C compiler?)")
-    monkeypatch.setattr(fp8_mod, "USE_NATIVE", request.param == "native")
+    monkeypatch.setattr(fp8_mod, "USE_NATIVE", request.param != "torch")
+    monkeypatch.setattr(fp8_mod, "NATIVE_TABLE", request.param == "native")
+    return request.param
+
+
+@pytest.fixture(params=[True, False], ids=["table", "scalar"])
+def native_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a native-kernel test with the bf16 table path allowed and with the scalar code only."""
+    if not native_available():
+        pytest.skip("the C block quantizer did not build here")
+    monkeypatch.setattr(fp8_mod, "NATIVE_TABLE", request.param)
     return request.param
 
 
@@ -226,17 +238,45 @@ def _e4m3_grid_block() -> torch.Tensor:
     return w
 
 
+def _every_mantissa_under_odd_scales() -> torch.Tensor:
+    """[128, 128 * 24] bf16 with a random, non-power-of-two amax per 128x128 block (so the scale is
+    an arbitrary fp32, and x / scale is never exact), and in each block every bf16 mantissa at every
+    exponent from 2^-20 below amax's up to amax's, with both signs: the table path's exponent shift
+    and its switch to the scalar code at e4m3's subnormal edge, across the whole mantissa table."""
+    g = torch.Generator().manual_seed(6)
+    blocks = []
+    for _ in range(24):
+        amax = float(torch.empty(1).uniform_(1.0, 2.0, generator=g)) * 2.0 ** int(
+            torch.randint(-40, 40, (1,), generator=g)
+        )
+        top = int(torch.tensor(amax, dtype=torch.bfloat16).view(torch.int16)) >> 7
+        exps = torch.arange(top - 20, top + 1, dtype=torch.int32)
+        bits = (exps[:, None] << 7 | torch.arange(128, dtype=torch.int32)[None, :]).flatten()
+        vals = bits.to(torch.int16).view(torch.bfloat16)
+        vals = vals[vals.float() <= torch.tensor(amax, dtype=torch.bfloat16).float()]
+        vals = torch.cat([vals, -vals])
+        b = torch.zeros(128 * 128, dtype=torch.bfloat16)
+        b[torch.randperm(b.numel(), generator=g)[: vals.numel()]] = vals
+        b[0] = amax
+        blocks.append(b.view(128, 128))
+    return torch.cat(blocks, dim=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_native_kernel_bit_identical_on_every_pattern(dtype: torch.dtype, ue8m0: bool) -> None:
+def test_native_kernel_bit_identical_on_every_pattern(
+    dtype: torch.dtype, ue8m0: bool, native_table: bool
+) -> None:
     """The C kernel against the generic-cast reference on inputs the fast-path test does not reach:
     every bf16 bit pattern, every e4m3 value and tie, random fp32 bit patterns, ragged shapes (the
     kernel handles partial edge blocks itself), a strided row view, an all -0 block, a 1-column
     weight."""
-    if not native_available():
-        pytest.skip("the C block quantizer did not build here")
     g = torch.Generator().manual_seed(4)
-    cases = [_all_bf16_patterns().to(dtype), _e4m3_grid_block().to(dtype)]
+    cases = [
+        _all_bf16_patterns().to(dtype),
+        _e4m3_grid_block().to(dtype),
+        _every_mantissa_under_odd_scales().to(dtype),
+    ]
     if dtype == torch.float32:
         cases.append(torch.randint(-(2**31), 2**31 - 1, (256, 256), generator=g).to(torch.int32).view(dtype))
     cases += [
@@ -251,6 +291,9 @@ def test_native_kernel_bit_identical_on_every_pattern(dtype: torch.dtype, ue8m0:
             assert _same(fake_quantize_block(w, block, ue8m0=ue8m0), ref)
             out = torch.full(w.shape, 7.0, dtype=dtype)
             assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0), ref)
+            if w.is_contiguous():  # in place: the table path's slow lanes must read the input
+                x = w.clone()
+                assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0), ref)
             q_ref, s_ref = _quantize_block_reference(w, block, ue8m0=ue8m0)
             q, s = quantize_block(w, block, ue8m0=ue8m0)
             assert _same(q, q_ref) and _same(s, s_ref)
@@ -258,15 +301,15 @@ def test_native_kernel_bit_identical_on_every_pattern(dtype: torch.dtype, ue8m0:
 
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("mantissa_bits", [3, 2, 1, 0])
-def test_native_kernel_stress_grids_match_pytorch(rounding: str, mantissa_bits: int) -> None:
+def test_native_kernel_stress_grids_match_pytorch(
+    rounding: str, mantissa_bits: int, native_table: bool
+) -> None:
     """fake_quantize_stress (block) in C equals its PyTorch spelling: every bf16 pattern (NaN, whose
     code 0x7F becomes a finite value once low bits are cleared, included), every e4m3 value, ragged
-    shapes, fp32, UE8M0."""
-    if not native_available():
-        pytest.skip("the C block quantizer did not build here")
+    shapes, fp32, UE8M0, every bf16 mantissa under arbitrary block scales."""
     g = torch.Generator().manual_seed(5)
     cases = [_all_bf16_patterns(), _e4m3_grid_block(), (torch.randn(300, 200, generator=g) * 0.02)]
-    cases.append(cases[-1].to(torch.bfloat16))
+    cases += [cases[-1].to(torch.bfloat16), _every_mantissa_under_odd_scales()]
     for ue8m0 in (False, True):
         for block in [(128, 128), (32, 64)]:
             scheme = Fp8Scheme("block", block, ue8m0)
@@ -277,6 +320,20 @@ def test_native_kernel_stress_grids_match_pytorch(rounding: str, mantissa_bits: 
                 finally:
                     fp8_mod.USE_NATIVE = True
                 assert _same(fake_quantize_stress(w, scheme, rounding, mantissa_bits), ref)  # type: ignore[arg-type]
+
+
+def test_table_path_is_taken_where_the_cpu_has_it() -> None:
+    """The table path is not silently off: on an AVX-512BW CPU the kernel reports it, and the switch
+    turns it off (the tests above then compare both against the same reference)."""
+    if not native_available():
+        pytest.skip("the C block quantizer did not build here")
+    cpu_has = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert native_table_path() == cpu_has
+    fp8_mod.NATIVE_TABLE = False
+    try:
+        assert not native_table_path()
+    finally:
+        fp8_mod.NATIVE_TABLE = True
 
 
 def test_native_kernel_needs_its_own_flags(tmp_path: Path) -> None:
