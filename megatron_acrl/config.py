@@ -673,6 +673,18 @@ class TrainingConfig(_Section):
     eval_interval: int = 0
     """Evaluate on the held-out split every N steps; 0 disables."""
 
+    eval_samples: int = 0
+    """Sampled evaluation at every eval (0: off): this many samples at the rollout temperature for
+    each of ``task.eval_size`` fixed training prompts, logged as ``eval/sampled_reward``: the training
+    reward on a fixed prompt set, without the noise of a moving batch."""
+
+    eval_trainer_weights: bool = False
+    """With FP8 rollout served as bf16 (fake-quant, stress emulation), also run every eval on the
+    trainer's own weights: push them unquantized, evaluate (``eval_trainer/*``), push the rollout's
+    quantized copy back. Tells what training learned apart from what FP8 sampling loses (the
+    server's KV-cache dtype still applies). Without rollout quantization ``eval_trainer/*`` repeats
+    ``eval/*``. Not possible with real FP8 servers (``rollout.fp8_mode``)."""
+
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory); None sizes
     chunks so one chunk's float32 working set stays in each core's cache on CPU (1024 on GPU)."""
@@ -705,6 +717,7 @@ class TrainingConfig(_Section):
         _check(e, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables)")
         _check(e, self.save_interval >= 0, "save_interval", "must be >= 0")
         _check(e, self.eval_interval >= 0, "eval_interval", "must be >= 0")
+        _check(e, self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 turns the sampled eval off)")
         _check(
             e,
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,

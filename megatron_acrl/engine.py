@@ -109,6 +109,16 @@ class RolloutEngine:
                     )
                 ]
             )
+        if cfg.training.eval_trainer_weights and self.scheme is not None and self.fp8_mode == "real":
+            raise ConfigError(
+                [
+                    (
+                        "training.eval_trainer_weights",
+                        "evaluates the trainer's unquantized weights on the rollout servers, which hold "
+                        "real FP8 weights here; set rollout.fp8_mode=fake or turn it off",
+                    )
+                ]
+            )
         self.api_key = os.environ.get(r.api_key_env) if r.api_key_env else None
         if r.api_key_env and not self.api_key:
             raise RuntimeError(
@@ -206,9 +216,10 @@ class RolloutEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *, quantize: bool = True
     ) -> dict[str, float]:
-        """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode)."""
+        """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).
+        ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and stress)."""
         assert self.sync is not None
         served = self.sync.manifest.tensors
 
@@ -222,7 +233,7 @@ class RolloutEngine:
                 yield name, t
 
         stream = to_served(named_tensors)
-        if self.stress:
+        if self.stress and quantize:
             r = self.cfg.rollout
             assert self.scheme is not None
             stream = fake_quantize_named_stress(
@@ -232,14 +243,14 @@ class RolloutEngine:
                 r.fp8_mantissa_bits,
                 quantize_router=r.fp8_quantize_router,
             )
-        report = self.sync.sync(stream, version)
+        report = self.sync.sync(stream, version, quantize=quantize)
         return {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
             "sync/tensors": float(report.num_tensors),
             "sync/buckets": float(report.num_buckets),
             # fp8 mode of the rollout copy: 0 none (BF16 rollout), 1 real FP8, 2 fake-quant on a bf16 server
-            "sync/fp8_mode": 2.0 if self.stress else _FP8_MODE[report.fp8],
+            "sync/fp8_mode": 2.0 if self.stress and quantize else _FP8_MODE[report.fp8],
         }
 
     # -- failures ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ kernels) are masked out of the loss and counted, so they never reach a gradient.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -478,21 +479,53 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
 
 
-def evaluate(ctx: Any, step: int) -> dict[str, float]:
-    """Greedy accuracy and mean response length on the held-out split (rank 0; {} elsewhere)."""
+def evaluate(ctx: Any, step: int, version: str) -> dict[str, float]:
+    """Evaluate the served policy: greedy accuracy and mean response length on the held-out split
+    (``eval/accuracy``, ``eval/response_length``) and, with ``training.eval_samples``, the sampled
+    reward on fixed training prompts (``eval/sampled_reward``). With ``training.eval_trainer_weights``
+    the same again on the trainer's unquantized weights (``eval_trainer/*``), after which the
+    rollout's copy (``version``) is pushed back. Every rank calls this (the pushes are collective);
+    rank 0 evaluates, the others get {}."""
+    m = _evaluate_served(ctx, "eval")
+    if ctx.cfg.training.eval_trainer_weights:
+        if ctx.cfg.rollout.quantization == "none":  # the served weights are the trainer's
+            m.update({"eval_trainer/" + k.split("/", 1)[1]: v for k, v in m.items()})
+        else:
+            ctx.sync_weights(f"{version}+unquantized", quantize=False)
+            m.update(_evaluate_served(ctx, "eval_trainer"))
+            ctx.sync_weights(version)
+    return m
+
+
+def _evaluate_served(ctx: Any, prefix: str) -> dict[str, float]:
     if ctx.rank != 0 or ctx.engine is None:
         return {}
-    cfg = ctx.cfg
+    cfg, m = ctx.cfg, {}
     prompts = ctx.task.eval_prompts(cfg.task.eval_size)
-    if not prompts:
-        return {}
-    ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-    groups = ctx.engine.generate(ids, 1, ctx.engine.sampling_params(greedy=True))
-    b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
-    return {
-        "eval/accuracy": float(b.rewards.mean()),
-        "eval/response_length": float(b.response_len.float().mean()),
-    }
+    if prompts:
+        ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
+        groups = ctx.engine.generate(ids, 1, ctx.engine.sampling_params(greedy=True))
+        b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
+        m[f"{prefix}/accuracy"] = float(b.rewards.mean())
+        m[f"{prefix}/response_length"] = float(b.response_len.float().mean())
+    if cfg.training.eval_samples:
+        prompts = fixed_train_prompts(ctx.task, cfg.task.eval_size)
+        ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
+        groups = ctx.engine.generate(ids, cfg.training.eval_samples, ctx.engine.sampling_params())
+        b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
+        m[f"{prefix}/sampled_reward"] = float(b.rewards.mean())
+    return m
+
+
+def fixed_train_prompts(task: Any, n: int) -> list[Any]:
+    """The first ``n`` distinct training prompts of a fixed order (the task's seed-0 stream), the same
+    at every eval and in every run."""
+    seen: dict[int, Any] = {}
+    for p in itertools.islice(task.train_prompts(seed=0), 4 * n):
+        seen.setdefault(p.uid, p)
+        if len(seen) == n:
+            break
+    return list(seen.values())
 
 
 def log_extras(cfg: Any, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:

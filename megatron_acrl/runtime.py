@@ -104,8 +104,9 @@ class RunContext:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def sync_weights(self, version: str) -> dict[str, float]:
-        """Push the trainer's weights to the rollout engine (all ranks walk the gathered stream).
+    def sync_weights(self, version: str, *, quantize: bool = True) -> dict[str, float]:
+        """Push the trainer's weights to the rollout engine (all ranks walk the gathered stream);
+        ``quantize=False`` pushes them without the rollout's FP8 quantization (bf16 servers only).
 
         A failed sync (a server died) restarts the engine's servers and tries again, twice.
         """
@@ -115,7 +116,7 @@ class RunContext:
             ok, retry, err = True, False, ""
             if self.engine is not None:
                 try:
-                    metrics = self.engine.sync_weights(stream, version)
+                    metrics = self.engine.sync_weights(stream, version, quantize=quantize)
                 except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
                     from sglang_bridge.client import ServerGoneError
 

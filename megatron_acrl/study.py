@@ -49,6 +49,8 @@ GRID_KEYS = ("base", "common", "seeds", "arms", "ranks", "title", "notes", "stre
 
 PANELS = (
     ("reward/mean", "reward (train, sampled)"),
+    ("eval/sampled_reward", "eval reward, fixed train prompts (served weights)"),
+    ("eval_trainer/sampled_reward", "eval reward, fixed train prompts (trainer's weights)"),
     ("mismatch/k3_kl", "k3 KL(mu || pi_old)"),
     ("mismatch/chi2_token", "chi2 token"),
     ("mismatch/chi2_seq", "chi2 sequence"),
@@ -365,6 +367,14 @@ class ArmResult:
     eval_acc: list[float]
     k3: list[float]
     rows: list[list[dict]]
+    first: list[float] = field(default_factory=list)
+    """Sampled reward of the first RL step: every arm of a grid starts from the same weights there, so
+    its gap to the BF16 arm is what FP8 sampling alone costs, before any training."""
+    served_eval: list[float] = field(default_factory=list)
+    """Final ``eval/sampled_reward``: fixed training prompts, sampled from the served (rollout) weights."""
+    trainer_eval: list[float] = field(default_factory=list)
+    """Final ``eval_trainer/sampled_reward``: the same prompts sampled from the trainer's unquantized
+    weights, i.e. what training learned, without what FP8 sampling loses."""
     seeds: list[int] = field(default_factory=list)
     """The finished seeds, in the order of the lists above."""
 
@@ -391,11 +401,11 @@ def collect(grid: Grid, out: Path) -> list[ArmResult]:
                 peak=[s["peak_smooth"] for s in sums],
                 last20=[s["last20"] for s in sums],
                 collapsed=[bool(s["collapsed"]) for s in sums],
-                eval_acc=[
-                    next((float(x["eval/accuracy"]) for x in reversed(r) if "eval/accuracy" in x), math.nan)
-                    for r in runs
-                ],
+                eval_acc=[_final(r, "eval/accuracy") for r in runs],
                 k3=[summarize(r, "mismatch/k3_kl")["last20"] for r in runs],
+                first=[float(r[0].get("reward/mean", math.nan)) for r in runs],
+                served_eval=[_final(r, "eval/sampled_reward") for r in runs],
+                trainer_eval=[_final(r, "eval_trainer/sampled_reward") for r in runs],
                 rows=runs,
                 seeds=seeds,
             )
@@ -403,13 +413,22 @@ def collect(grid: Grid, out: Path) -> list[ArmResult]:
     return results
 
 
-def _cmp(a: ArmResult, b: ArmResult, strict: bool) -> str:
-    """``a`` vs ``b`` on mean-of-last-20% reward over the seeds both finished (paired by seed), with
-    the numbers and the per-seed wins; fewer than 3 common seeds is said to be no result over seeds."""
-    sa_, sb_ = a.seeds or list(range(len(a.last20))), b.seeds or list(range(len(b.last20)))
-    common = [s for s in sa_ if s in sb_]
-    xa = [a.last20[sa_.index(s)] for s in common]
-    xb = [b.last20[sb_.index(s)] for s in common]
+def _final(rows: list[dict], key: str) -> float:
+    """The last logged value of ``key`` in a run (nan if it never was)."""
+    return next((float(x[key]) for x in reversed(rows) if isinstance(x.get(key), int | float)), math.nan)
+
+
+def _cmp(a: ArmResult, b: ArmResult, strict: bool, metric: str = "last20") -> str:
+    """``a`` vs ``b`` on ``metric`` (an ArmResult list: mean-of-last-20% reward by default) over the
+    seeds both finished (paired by seed), with the numbers and the per-seed wins; fewer than 3 common
+    seeds is said to be no result over seeds."""
+    va, vb = getattr(a, metric), getattr(b, metric)
+    sa_, sb_ = a.seeds or list(range(len(va))), b.seeds or list(range(len(vb)))
+    common = [
+        s for s in sa_ if s in sb_ and math.isfinite(va[sa_.index(s)]) and math.isfinite(vb[sb_.index(s)])
+    ]
+    xa = [va[sa_.index(s)] for s in common]
+    xb = [vb[sb_.index(s)] for s in common]
     if not common:
         return f"`{a.arm}` vs `{b.arm}`: **no common finished seed**, no comparison"
     (ma, sa), (mb, sb) = _ms(xa), _ms(xb)
@@ -424,24 +443,30 @@ def _cmp(a: ArmResult, b: ArmResult, strict: bool) -> str:
     )
 
 
-def verdict(grid: Grid, results: list[ArmResult]) -> list[str]:
-    """The goal, stated per grid: ACRL >= BF16 rollout; in a stress grid also ACRL > TIS and > MIS."""
+def verdict(grid: Grid, results: list[ArmResult], metric: str = "last20") -> list[str]:
+    """The goal, stated per grid: ACRL >= BF16 rollout; in a stress grid also ACRL > TIS and > MIS
+    (on mean-of-last-20% reward, or on another ArmResult list ``metric``)."""
     base = [r for r in results if r.quantization == "none"]
     acrl = [r for r in results if r.method == "acrl" and r.quantization != "none"]
     lines = []
     if not base or not acrl:
         return ["(no BF16-rollout baseline or no ACRL arm in this grid: no verdict)"]
+    if not any(math.isfinite(x) for r in results for x in getattr(r, metric)):
+        return [f"(no arm logged {metric}: no verdict)"]
     for a in acrl:
-        lines.append(f"- ACRL >= BF16 rollout: {_cmp(a, base[0], strict=False)}")
+        lines.append(f"- ACRL >= BF16 rollout: {_cmp(a, base[0], False, metric)}")
         if grid.stress:
             for method, label in (("tis", "TIS"), ("seq_mis", "MIS")):
                 for other in (r for r in results if r.method == method):
-                    lines.append(f"- ACRL > {label}: {_cmp(a, other, strict=True)}")
+                    lines.append(f"- ACRL > {label}: {_cmp(a, other, True, metric)}")
     none = [r for r in results if r.method == "none" and r.quantization != "none"]
     for n in none:
+        collapsed = (
+            f"; collapsed in {sum(n.collapsed)}/{len(n.collapsed)} seeds" if metric == "last20" else ""
+        )
         lines.append(
-            f"- Uncorrected FP8 >= BF16 rollout (i.e. no degradation): {_cmp(n, base[0], strict=False)}; "
-            f"collapsed in {sum(n.collapsed)}/{len(n.collapsed)} seeds."
+            f"- Uncorrected FP8 >= BF16 rollout (i.e. no degradation): "
+            f"{_cmp(n, base[0], False, metric)}{collapsed}."
         )
     return lines
 
@@ -450,7 +475,8 @@ def verdict(grid: Grid, results: list[ArmResult]) -> list[str]:
 
 
 def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Path]:
-    """One PNG per panel: the per-arm mean over seeds (5-step moving average), +- one std band."""
+    """One PNG per panel: the per-arm mean over seeds (5-step moving average; eval metrics, logged
+    every few steps, unsmoothed with markers), +- one std band on the training reward."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -467,9 +493,11 @@ def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Pa
             if not pts:
                 continue
             xs = [p[0] for p in pts]
-            ys, sd = _smooth([p[1] for p in pts]), _smooth([p[2] for p in pts])
-            (line,) = ax.plot(xs, ys, label=arm, lw=1.4)
-            if key == "reward/mean":  # the band only where it is read: the reward curves
+            sparse = len(pts) < len(rows) // 2  # logged every few steps (evals): drawn as is, with markers
+            ys = [p[1] for p in pts] if sparse else _smooth([p[1] for p in pts])
+            sd = [p[2] for p in pts] if sparse else _smooth([p[2] for p in pts])
+            (line,) = ax.plot(xs, ys, label=arm, lw=1.4, marker="o" if sparse else None, ms=3)
+            if key.endswith("reward/mean"):  # the band only where it is read: the training reward
                 lo = [y - s for y, s in zip(ys, sd, strict=True)]
                 hi = [y + s for y, s in zip(ys, sd, strict=True)]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
@@ -545,8 +573,16 @@ def write_report(
         "",
         "Columns: reward is the sampled training reward (fraction of correct completions in the step's "
         "rollout batch, temperature 1). *peak* is the maximum of its 5-step moving average; *last 20%* the "
-        "mean over the last 20% of steps; both mean +- std over seeds. *greedy acc* is the final greedy "
-        f"accuracy on the held-out split. *collapsed*: last-20% mean below {COLLAPSE_FRACTION:.0%} of the "
+        "mean over the last 20% of steps; both mean +- std over seeds. *step 1* is the first step's "
+        "sampled reward: every arm starts from the same warm-start weights, so its gap to the BF16 arm is "
+        "what FP8 sampling alone costs before any training. *greedy acc* is the final greedy "
+        "accuracy on the held-out split. *eval: served / trainer* is the sampled reward at the final eval "
+        "on a fixed set of training prompts (`training.eval_samples` samples each, temperature 1), "
+        "sampled from the served rollout weights and from the trainer's own unquantized weights "
+        "(`training.eval_trainer_weights`: pushed to the same server for the eval, then the rollout copy "
+        "is pushed back; the server's KV-cache dtype still applies): the second separates what training "
+        "learned from what FP8 sampling loses. "
+        f"*collapsed*: last-20% mean below {COLLAPSE_FRACTION:.0%} of the "
         "run's smoothed peak (runs collapsed / seeds).",
         "",
     ]
@@ -556,6 +592,20 @@ def write_report(
         lines += [f"*{g.title}* (`{g.name}`):", ""]
         lines += verdict(g, collected[g.name])
         lines.append("")
+    if any(math.isfinite(x) for res in collected.values() for r in res for x in r.trainer_eval):
+        lines += [
+            "## The same comparisons on the trainer's own weights (supplementary, not the goal's metric)",
+            "",
+            "Final-eval sampled reward of each arm's trained policy sampled with its unquantized weights "
+            "(*eval: trainer* above; BF16 arms: the served weights are the trainer's). This asks whether "
+            "a correction let training learn as well as with BF16 rollouts, apart from the FP8 sampler's "
+            "own loss. One eval per run (not a mean over steps), so noisier than the goal's metric.",
+            "",
+        ]
+        for g in grids:
+            lines += [f"*{g.title}* (`{g.name}`):", ""]
+            lines += verdict(g, collected[g.name], "trainer_eval")
+            lines.append("")
     for g in grids:
         results = collected[g.name]
         cfg = next(iter(g.configs.values()))
@@ -575,17 +625,18 @@ def write_report(
             "",
             f"Common overrides: `{' '.join(g.common) or '-'}`",
             "",
-            "| arm | overrides | seeds | peak reward | reward, last 20% | greedy acc | k3 KL, last 20% "
-            "| collapsed |",
-            "|---|---|---|---|---|---|---|---|",
+            "| arm | overrides | seeds | reward, step 1 | peak reward | reward, last 20% | greedy acc "
+            "| eval: served | eval: trainer | k3 KL, last 20% | collapsed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             n = sum(r.collapsed)
             ov = " ".join(g.arms[r.arm]) or "-"
             lines.append(
-                f"| {r.arm} | `{ov}` | {len(r.last20)} | {_fmt(r.peak)} | {_fmt(r.last20)} | "
-                f"{_fmt(r.eval_acc, 2)} | "
-                f"{_fmt_sci(r.k3)} | {'yes' if n else 'no'} ({n}/{len(r.collapsed)}) |"
+                f"| {r.arm} | `{ov}` | {len(r.last20)} | {_fmt(r.first)} | {_fmt(r.peak)} | "
+                f"{_fmt(r.last20)} | {_fmt(r.eval_acc, 2)} | {_fmt(r.served_eval)} | "
+                f"{_fmt(r.trainer_eval)} | {_fmt_sci(r.k3)} | {'yes' if n else 'no'} "
+                f"({n}/{len(r.collapsed)}) |"
             )
         lines += ["", "**Goal verdict** (mean-of-last-20% reward, mean +- std over seeds):", ""]
         lines += verdict(g, results)

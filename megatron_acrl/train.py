@@ -64,7 +64,7 @@ def train(ctx: RunContext, state: DriverState) -> DriverState:
             }
         )
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
-            m.update(evaluate(ctx, state.step))
+            m.update(evaluate(ctx, state.step, state.weight_version))
         if log is not None:
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
         stop = ctx.stop_requested()  # SIGTERM on any rank; all ranks agree (all-reduced flag)

@@ -213,9 +213,17 @@ class WeightSynchronizer(ABC):
 
     @abstractmethod
     def sync(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: str
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: str,
+        *,
+        quantize: bool = True,
     ) -> SyncReport:
-        """Replace the served weights by ``named_tensors`` (HF names, full tensors) as ``version``."""
+        """Replace the served weights by ``named_tensors`` (HF names, full tensors) as ``version``.
+
+        ``quantize=False`` sends them as they are even where the synchronizer FP8-quantizes (only to
+        a server that holds bf16 weights, i.e. fake-quant: e.g. to evaluate the trainer's own weights).
+        """
 
     @abstractmethod
     def verify(
@@ -759,10 +767,27 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         return bucket.nbytes
 
     def sync(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: str
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: str,
+        *,
+        quantize: bool = True,
     ) -> SyncReport:
         if self.group is None:
             raise WeightSyncError("not connected: call connect() first")
+        if not quantize and self.fp8 is not None:
+            if self.fp8_mode == "real":
+                raise WeightSyncError(
+                    "quantize=False: the servers hold real FP8 weights (fp8_mode='real') and cannot take "
+                    "unquantized ones; only a fake-quant (bf16) server can"
+                )
+            # The FP8 scheme is part of the validation key and of every packing decision: this one
+            # sync runs without it, and the synchronizer is back to quantizing afterwards.
+            scheme, self.fp8 = self.fp8, None
+            try:
+                return self.sync(named_tensors, version)
+            finally:
+                self.fp8 = scheme
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors

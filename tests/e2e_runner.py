@@ -20,6 +20,7 @@ import sys
 
 from megatron.core import parallel_state
 
+import megatron_acrl.rollout as rollout_mod
 from megatron_acrl.config import load_config
 from megatron_acrl.train import parse_args, run
 
@@ -42,10 +43,21 @@ def inject(faults: dict):
             return
         generate = engine.generate
         calls = {"n": 0}
+        evaluating = {"on": False}
+        served_eval = rollout_mod._evaluate_served
+
+        def marked_eval(ctx, prefix):  # eval generations (greedy and sampled) are not training's
+            evaluating["on"] = True
+            try:
+                return served_eval(ctx, prefix)
+            finally:
+                evaluating["on"] = False
+
+        rollout_mod._evaluate_served = marked_eval
 
         def faulty(prompt_ids, n, params):
-            # Training generations happen once per step here (no dynamic sampling); eval uses greedy.
-            training = params.temperature > 0
+            # Training generations happen once per step here (no dynamic sampling).
+            training = not evaluating["on"]
             step = calls["n"] if training else -1  # counts successful training generations only
             if step == faults.get("kill_server_at_step") and not calls.get("killed"):
                 calls["killed"] = True

@@ -208,3 +208,9 @@ def test_fp8_mode_is_honoured_per_device(tmp_path):
     stress = cfg("rollout.fp8_rounding=toward_zero", "rollout.device=cuda")
     with pytest.raises(ConfigError, match="set rollout.fp8_mode=fake"):
         RolloutEngine(stress, tmp_path / "m", tmp_path)
+    # the trainer's unquantized weights cannot be evaluated on a server holding real FP8 weights
+    trainer_eval = cfg("training.eval_trainer_weights=true", "rollout.device=cuda")
+    with pytest.raises(ConfigError, match="training.eval_trainer_weights"):
+        RolloutEngine(trainer_eval, tmp_path / "m", tmp_path)
+    with pytest.raises(ConfigError, match="training.eval_samples"):
+        load_config(tiny, ["training.eval_samples=-1"])

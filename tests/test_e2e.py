@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
+from megatron_acrl.rollout import load_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
@@ -65,6 +66,8 @@ def live(tmp_path_factory):
             + [
                 f"training.num_steps={LIVE_STEPS}",
                 "training.eval_interval=2",
+                "training.eval_samples=2",
+                "training.eval_trainer_weights=true",
                 f"training.checkpoint_dir={tmp / 'live-ckpt'}",
                 "training.save_interval=2",
             ],
@@ -128,6 +131,24 @@ def test_live_run_logs_every_metric_to_wandb(live):
     assert hist[0]["mismatch/log_ratio_hist/_type"] == "histogram"
     assert any(r.get("samples/_type") == "table-file" for r in hist)
     assert "eval/accuracy" in hist[1] and 0.0 <= hist[1]["eval/accuracy"] <= 1.0
+
+
+def test_eval_runs_on_served_and_trainer_weights_then_restores_the_rollout_copy(live):
+    """Every eval: greedy held-out accuracy and the sampled reward on fixed training prompts, on the
+    served (FP8 fake-quant) weights and on the trainer's unquantized ones; the next step samples
+    from the quantized copy again, under the step's own version."""
+    r = rows(live / "live")
+    for key in (
+        "eval/accuracy",
+        "eval/sampled_reward",
+        "eval_trainer/accuracy",
+        "eval_trainer/sampled_reward",
+    ):
+        assert 0.0 <= r[1][key] <= 1.0, key
+        assert key not in r[0], key  # eval_interval=2
+    after = load_rollouts(live / "rollouts", 2)  # step 3's batch, generated after step 2's eval
+    assert set(after.weight_versions) == {"step-2"}
+    assert r[2]["sync/fp8_mode"] == 2.0 and r[2]["mismatch/k3_kl"] > 0
 
 
 def test_killed_server_is_restarted_and_the_step_retried(live):

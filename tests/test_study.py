@@ -91,6 +91,24 @@ def test_verdict_states_the_goal_with_numbers(tmp_path):
     assert "`a` 0.600 +- 0.000 vs `b` 0.600 +- 0.000: **yes**" in line and "only 1 common seed" in line
 
 
+def test_verdict_on_another_metric(tmp_path):
+    """The supplementary verdict (trainer's weights) compares that list, and skips seeds without it."""
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\n"
+        "arms:\n  b: [rollout.quantization=none, correction.method=none]\n  a: [correction.method=acrl]\n"
+    )
+    grid = load_grid(grid_file)
+    b, a = _arm("b", "none", "none", [0.5, 0.6, 0.7]), _arm("a", "acrl", "fp8_block", [0.1, 0.1, 0.1])
+    b.trainer_eval, a.trainer_eval = [0.5, 0.5, 0.5], [0.6, float("nan"), 0.7]
+    line = verdict(grid, [b, a], "trainer_eval")[0]
+    assert "`a` 0.650 +- 0.071 vs `b` 0.500 +- 0.000: **yes**" in line and "only 2 common seed" in line
+    assert "**no**" in verdict(grid, [b, a])[0]  # the goal's metric is unchanged
+    assert verdict(
+        grid, [_arm("b", "none", "none", [0.5]), _arm("a", "acrl", "fp8_block", [0.5])], "first"
+    ) == ["(no arm logged first: no verdict)"]
+
+
 def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["study"])
@@ -110,6 +128,13 @@ def test_smoke_grid_writes_report_and_plots(tmp_path, monkeypatch):
     assert (tmp_path / "report" / "smoke_reward_mean.png").stat().st_size > 1000
     assert "![smoke_reward_mean](smoke_reward_mean.png)" in report
     assert (tmp_path / "report" / "smoke_mismatch_k3_kl.png").exists()
+    # the final eval ran on the served and on the trainer's weights, in both arms, and is reported
+    assert (tmp_path / "report" / "smoke_eval_trainer_sampled_reward.png").exists()
+    assert "## The same comparisons on the trainer's own weights" in report
+    for arm in ("smoke_bf16", "smoke_stress_acrl"):
+        row = next(x for x in report.splitlines() if x.startswith(f"| {arm} |")).split(" | ")
+        served, trainer = float(row[-4]), float(row[-3])  # one seed: plain numbers
+        assert 0.0 <= served <= 1.0 and 0.0 <= trainer <= 1.0
     # The FP8-KV arm ran on its own shared server, launched with the KV emulation; the BF16 arm did not.
     assert "round every cached K and V through e4m3" in report
 

@@ -215,18 +215,29 @@ def test_fp8_fake_quant_in_flattened_buckets(
         [sglang_server.url], manifest, fp8=scheme, fp8_mode="fake", bucket_size_mb=0.05, timeout_s=120
     )
     fq.connect()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=3)
     try:
         v4 = _perturbed(restore_v1, seed=4)
         report = fq.sync(v4, version="v4-fp8")
+        assert report.fp8 == "fake-quant" and report.num_buckets > 1
+        expected = {
+            k: fake_quantize(v, scheme) if should_quantize(k, v, scheme) else v for k, v in v4.items()
+        }
+        assert any(not torch.equal(expected[k], v4[k]) for k in v4)
+        samples = _generate(sglang_server.url, params)
+        assert _max_delta(samples, load_hf(tiny_ckpt, expected)) < 1e-2
+        # quantize=False (the trainer's own weights, e.g. for an eval): this one sync is unquantized
+        plain = fq.sync(v4, version="v4-plain", quantize=False)
+        assert plain.fp8 == "none" and asyncio.run(_version(sglang_server.url)) == "v4-plain"
+        assert _max_delta(_generate(sglang_server.url, params), load_hf(tiny_ckpt, v4)) < 1e-2
+        assert fq.sync(v4, version="v4-fp8-again").fp8 == "fake-quant"  # quantizing again after it
+        assert _max_delta(_generate(sglang_server.url, params), load_hf(tiny_ckpt, expected)) < 1e-2
+        fq.fp8_mode = "real"  # a server with real FP8 weights cannot take unquantized ones
+        with pytest.raises(WeightSyncError, match="quantize=False"):
+            fq.sync(v4, version="never", quantize=False)
+        assert fq.fp8 == scheme and asyncio.run(_version(sglang_server.url)) == "v4-fp8-again"
     finally:
         fq.close()
-    assert report.fp8 == "fake-quant" and report.num_buckets > 1
-    expected = {k: fake_quantize(v, scheme) if should_quantize(k, v, scheme) else v for k, v in v4.items()}
-    assert any(not torch.equal(expected[k], v4[k]) for k in v4)
-    samples = _generate(
-        sglang_server.url, SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=3)
-    )
-    assert _max_delta(samples, load_hf(tiny_ckpt, expected)) < 1e-2
 
 
 def test_pause_continue_with_inflight_requests(synchronizer, sglang_server, restore_v1: dict) -> None:
