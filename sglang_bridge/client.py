@@ -31,6 +31,7 @@ import asyncio
 import base64
 import itertools
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -337,7 +338,8 @@ class SGLangClient:
         tiny model 3x faster in batches of 64-256 than as single requests).
 
         Returns ``groups[i][j]``: sample j of prompt i. A progress bar is shown when ``progress`` is
-        True, or by default when there are more than 64 samples.
+        True, or by default when there are more than 64 samples and stderr is a terminal (a log file
+        of a batch job or a study run gets no bar lines).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -349,7 +351,7 @@ class SGLangClient:
             total=total,
             desc=desc,
             unit="sample",
-            disable=not (progress if progress is not None else total > 64),
+            disable=not (progress if progress is not None else total > 64 and sys.stderr.isatty()),
         )
         seeds = None if params.seed is None else itertools.count(params.seed)
         order = [i for i in range(len(prompts)) for _ in range(n)]
