@@ -222,7 +222,7 @@ typedef struct {
     uint16_t t[128];
     uint16_t lo; /* magnitude bits 2^E_lo: the smallest bf16 exponent whose quotients are normal */
     int ok;
-} fake_table;
+} mant_table;
 
 /* The scalar fake-quant of one bf16 pattern (any mode). */
 INLINE uint16_t fake_one_bf16(uint16_t xb, float s, int plain, int toward_zero, uint32_t tz_mask,
@@ -235,16 +235,22 @@ INLINE uint16_t fake_one_bf16(uint16_t xb, float s, int plain, int toward_zero, 
     return o;
 }
 
-INLINE void build_table(float s, fake_table *tb, int plain, int toward_zero, uint32_t tz_mask,
-                        int32_t sub_mask, float nan_val) {
-    tb->ok = 0;
-    if (!(s >= 1.17549435e-38f && s <= 3.40282347e38f)) return;
-    /* E_lo: the smallest biased exponent with fl(2^(E-127) / s) >= 2^-6; the correctly rounded
-     * quotient is monotone in x, so every x of that exponent or above qualifies. */
+/* E_lo for scale s: the smallest biased exponent with fl(2^(E-127) / s) >= 2^-6 (the correctly
+ * rounded quotient is monotone in x, so every x of that exponent or above qualifies), or -1 when s
+ * is not a normal number or no exponent qualifies. */
+INLINE int32_t e4m3_normal_edge(float s) {
+    if (!(s >= 1.17549435e-38f && s <= 3.40282347e38f)) return -1;
     int32_t e = (int32_t)((f2u(s) >> 23) & 0xFFu) - 8;
     e = e < 2 ? 2 : e;
     while (e < 254 && u2f((uint32_t)e << 23) / s < 0.015625f) e++;
-    if (e >= 254) return;
+    return e >= 254 ? -1 : e;
+}
+
+INLINE void build_table(float s, mant_table *tb, int plain, int toward_zero, uint32_t tz_mask,
+                        int32_t sub_mask, float nan_val) {
+    tb->ok = 0;
+    int32_t e = e4m3_normal_edge(s);
+    if (e < 0) return;
     /* the 128 entries through the (vectorised) segment code, as one segment */
     uint16_t xs[128], os[128];
     for (uint32_t f = 0; f < 128; f++) xs[f] = (uint16_t)(((uint32_t)e << 7) | f);
@@ -260,7 +266,7 @@ INLINE void build_table(float s, fake_table *tb, int plain, int toward_zero, uin
 #ifdef HAVE_TABLE_PATH
 #define AVX512BW __attribute__((target("avx512f,avx512bw")))
 AVX512BW INLINE void fake_seg_bf16_tab(const uint16_t *x, uint16_t *o, int64_t n, float s,
-                                       const fake_table *tb, int plain, int toward_zero,
+                                       const mant_table *tb, int plain, int toward_zero,
                                        uint32_t tz_mask, int32_t sub_mask, float nan_val) {
     const __m512i t0 = _mm512_loadu_si512(tb->t), t1 = _mm512_loadu_si512(tb->t + 32);
     const __m512i t2 = _mm512_loadu_si512(tb->t + 64), t3 = _mm512_loadu_si512(tb->t + 96);
@@ -296,7 +302,7 @@ AVX512BW INLINE void fake_seg_bf16_tab(const uint16_t *x, uint16_t *o, int64_t n
  * One call per block row, so the per-segment work stays inside one AVX-512 function. */
 AVX512BW __attribute__((noinline)) static void fake_rows_bf16_tab(
     const uint16_t *w, int64_t r0, int64_t r1, int64_t k, int64_t ld_w, uint16_t *out, int64_t ld_o,
-    int64_t bk, int64_t kb, const float *scale, const fake_table *tables, int plain, int toward_zero,
+    int64_t bk, int64_t kb, const float *scale, const mant_table *tables, int plain, int toward_zero,
     uint32_t tz_mask, int32_t sub_mask, float nan_val) {
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *xr = w + r * ld_w;
@@ -357,11 +363,11 @@ HOT int fp8_block_fake(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt
     int64_t kb = (k + bk - 1) / bk;
     int tab = table && dt == DT_BF16 && table_path_available();
     size_t scratch = (size_t)kb * (sizeof(uint32_t) + sizeof(float))
-                   + (tab ? (size_t)kb * sizeof(fake_table) + (size_t)k * sizeof(uint16_t) : 0);
+                   + (tab ? (size_t)kb * sizeof(mant_table) + (size_t)k * sizeof(uint16_t) : 0);
     uint32_t *amax = (uint32_t *)malloc(scratch);
     if (!amax) return -1;
     float *scale = (float *)(amax + kb);
-    fake_table *tables = tab ? (fake_table *)(scale + kb) : NULL;
+    mant_table *tables = tab ? (mant_table *)(scale + kb) : NULL;
     uint16_t *acc = tab ? (uint16_t *)(tables + kb) : NULL;
     size_t es = dt == DT_BF16 ? 2 : 4;
     uint32_t tz_mask = ~((1u << (23 - mbits)) - 1u);
@@ -402,18 +408,86 @@ HOT int fp8_block_fake(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt
     return 0;
 }
 
+/* The table path for the real codes: with the same exponent shift, the e4m3 code of a normal y
+ * moves by 8 per power of two of x (code = (exponent - 120) << 3 | mantissa, a rounding carry
+ * included), so code(x) = (x's sign) | T[f] + (x's exponent << 3), T built per block at E_lo. */
+INLINE void build_code_table(float s, mant_table *tb) {
+    tb->ok = 0;
+    int32_t e = e4m3_normal_edge(s);
+    if (e < 0) return;
+    uint16_t xs[128];
+    uint8_t qs[128];
+    for (uint32_t f = 0; f < 128; f++) xs[f] = (uint16_t)(((uint32_t)e << 7) | f);
+    quant_seg_bf16(xs, qs, 128, s);
+    for (uint32_t f = 0; f < 128; f++) tb->t[f] = (uint16_t)(qs[f] - (uint16_t)((uint32_t)e << 3));
+    tb->lo = (uint16_t)((uint32_t)e << 7);
+    tb->ok = 1;
+}
+
+#ifdef HAVE_TABLE_PATH
+/* Codes of rows [r0, r1) of one block row (bf16): the table where the block has one, else scalar. */
+AVX512BW __attribute__((noinline)) static void quant_rows_bf16_tab(
+    const uint16_t *w, int64_t r0, int64_t r1, int64_t k, int64_t ld_w, uint8_t *q, int64_t ld_q,
+    int64_t bk, int64_t kb, const float *scale, const mant_table *tables) {
+    const __m512i mag = _mm512_set1_epi16(0x7FFF), hi_bit = _mm512_set1_epi16(0x40);
+    const __m512i exp_bits = _mm512_set1_epi16(0x7F80), sign_bit = _mm512_set1_epi16(0x80);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *xr = w + r * ld_w;
+        uint8_t *qr = q + r * ld_q;
+        for (int64_t j = 0; j < kb; j++) {
+            int64_t c0 = j * bk, c1 = c0 + bk < k ? c0 + bk : k, c = c0;
+            const mant_table *tb = &tables[j];
+            if (tb->ok) {
+                const __m512i t0 = _mm512_loadu_si512(tb->t), t1 = _mm512_loadu_si512(tb->t + 32);
+                const __m512i t2 = _mm512_loadu_si512(tb->t + 64), t3 = _mm512_loadu_si512(tb->t + 96);
+                const __m512i lo = _mm512_set1_epi16((short)tb->lo);
+                const __m512i span = _mm512_set1_epi16((short)(0x7F80 - tb->lo));
+                for (; c + 32 <= c1; c += 32) {
+                    __m512i v = _mm512_loadu_si512(xr + c);
+                    __m512i a = _mm512_permutex2var_epi16(t0, v, t1);
+                    __m512i b = _mm512_permutex2var_epi16(t2, v, t3);
+                    __m512i t = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, hi_bit), a, b);
+                    __m512i code = _mm512_add_epi16(t, _mm512_srli_epi16(_mm512_and_si512(v, exp_bits), 4));
+                    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi16(v, 8), sign_bit));
+                    _mm256_storeu_si256((__m256i *)(qr + c), _mm512_cvtepi16_epi8(code));
+                    __mmask32 slow = _mm512_cmpge_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), lo), span);
+                    for (; slow; slow &= slow - 1) { /* rare: tiny or non-finite x */
+                        int i = __builtin_ctz(slow);
+                        qr[c + i] = e4m3_code(u2f((uint32_t)xr[c + i] << 16), scale[j]);
+                    }
+                }
+            }
+            quant_seg_bf16(xr + c, qr + c, c1 - c, scale[j]); /* the tail, or the whole segment */
+        }
+    }
+}
+#endif
+
 /* Quantize w [n, k] into e4m3fn codes q [n, k] (row stride ld_q bytes) and fp32 scales
- * scale_out [ceil(n/bn), ceil(k/bk)] (contiguous). Returns 0, or -1 on allocation failure. */
+ * scale_out [ceil(n/bn), ceil(k/bk)] (contiguous). table: as in fp8_block_fake. Returns 0, or -1 on
+ * allocation failure. */
 HOT int fp8_block_quant(const void *w, int64_t n, int64_t k, int64_t ld_w, int dt, uint8_t *q, int64_t ld_q,
-                    float *scale_out, int64_t bn, int64_t bk, int ue8m0) {
+                    float *scale_out, int64_t bn, int64_t bk, int ue8m0, int table) {
     int64_t kb = (k + bk - 1) / bk;
-    uint32_t *amax = (uint32_t *)malloc((size_t)kb * sizeof(uint32_t));
+    int tab = table && dt == DT_BF16 && table_path_available();
+    size_t scratch = (size_t)kb * sizeof(uint32_t)
+                   + (tab ? (size_t)kb * sizeof(mant_table) + (size_t)k * sizeof(uint16_t) : 0);
+    uint32_t *amax = (uint32_t *)malloc(scratch);
     if (!amax) return -1;
+    mant_table *tables = tab ? (mant_table *)(amax + kb) : NULL;
+    uint16_t *acc = tab ? (uint16_t *)(tables + kb) : NULL;
     size_t es = dt == DT_BF16 ? 2 : 4;
     for (int64_t r0 = 0, i = 0; r0 < n; r0 += bn, i++) {
         int64_t r1 = r0 + bn < n ? r0 + bn : n;
         float *scale = scale_out + i * kb;
-        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale, NULL);
+        block_row_scales(w, dt, r0, r1, k, ld_w, bk, kb, ue8m0, amax, scale, acc);
+#ifdef HAVE_TABLE_PATH
+        if (tab) {
+            for (int64_t j = 0; j < kb; j++) build_code_table(scale[j], &tables[j]);
+            quant_rows_bf16_tab((const uint16_t *)w, r0, r1, k, ld_w, q, ld_q, bk, kb, scale, tables);
+            continue;
+        }
+#endif
         for (int64_t r = r0; r < r1; r++) {
             const char *xr = (const char *)w + (size_t)(r * ld_w) * es;
             for (int64_t j = 0; j < kb; j++) {

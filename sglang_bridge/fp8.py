@@ -242,8 +242,8 @@ _NATIVE_DT = {torch.bfloat16: 0, torch.float32: 1}
 USE_NATIVE = True
 """Module switch (tests flip it to compare the native path with the PyTorch one)."""
 NATIVE_TABLE = True
-"""Module switch: let the C fake-quant take its AVX-512 table path for bf16 (tests flip it to
-compare the table with the kernel's scalar code)."""
+"""Module switch: let the C quantizer and fake-quant take their AVX-512 table path for bf16 (tests
+flip it to compare the table with the kernel's scalar code)."""
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -258,7 +258,7 @@ def _native_lib() -> ctypes.CDLL | None:
     lib.fp8_table_path.restype = _int
     lib.fp8_table_path.argtypes = []
     lib.fp8_block_quant.restype = _int
-    lib.fp8_block_quant.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _p, _i64, _i64, _int]
+    lib.fp8_block_quant.argtypes = [_p, _i64, _i64, _i64, _int, _p, _i64, _p, _i64, _i64, _int, _int]
     return lib
 
 
@@ -319,7 +319,7 @@ def _native_quant(
     assert scale_out.dtype == torch.float32 and scale_out.shape == (-(-n // bn), -(-k // bk))
     rc = lib.fp8_block_quant(
         w.data_ptr(), n, k, w.stride(0), _NATIVE_DT[w.dtype], q_out.data_ptr(), k,
-        scale_out.data_ptr(), bn, bk, int(ue8m0),
+        scale_out.data_ptr(), bn, bk, int(ue8m0), int(NATIVE_TABLE),
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("fp8_block_quant: scratch allocation failed")
