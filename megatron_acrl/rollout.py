@@ -501,18 +501,21 @@ def _evaluate_served(ctx: Any, prefix: str) -> dict[str, float]:
     if ctx.rank != 0 or ctx.engine is None:
         return {}
     cfg, m = ctx.cfg, {}
-    prompts = ctx.task.eval_prompts(cfg.task.eval_size)
-    if prompts:
+
+    def scored(prompts: list[Any], n: int, params: Any) -> RolloutBatch:
         ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-        groups = ctx.engine.generate(ids, 1, ctx.engine.sampling_params(greedy=True))
-        b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
+        groups = ctx.engine.generate(ids, n, params)
+        return score_groups(
+            ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id
+        )
+
+    if prompts := ctx.task.eval_prompts(cfg.task.eval_size):
+        b = scored(prompts, 1, ctx.engine.sampling_params(greedy=True))
         m[f"{prefix}/accuracy"] = float(b.rewards.mean())
         m[f"{prefix}/response_length"] = float(b.response_len.float().mean())
     if cfg.training.eval_samples:
         prompts = fixed_train_prompts(ctx.task, cfg.task.eval_size)
-        ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-        groups = ctx.engine.generate(ids, cfg.training.eval_samples, ctx.engine.sampling_params())
-        b = score_groups(ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id)
+        b = scored(prompts, cfg.training.eval_samples, ctx.engine.sampling_params())
         m[f"{prefix}/sampled_reward"] = float(b.rewards.mean())
     return m
 

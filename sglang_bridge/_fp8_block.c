@@ -265,24 +265,48 @@ INLINE void build_table(float s, mant_table *tb, int plain, int toward_zero, uin
 
 #ifdef HAVE_TABLE_PATH
 #define AVX512BW __attribute__((target("avx512f,avx512bw")))
+
+/* One block's table in registers, and the bounds of the lanes it covers. */
+typedef struct {
+    __m512i t0, t1, t2, t3, lo, span;
+} tab_regs;
+
+AVX512BW INLINE tab_regs tab_load(const mant_table *tb) {
+    tab_regs r;
+    r.t0 = _mm512_loadu_si512(tb->t);
+    r.t1 = _mm512_loadu_si512(tb->t + 32);
+    r.t2 = _mm512_loadu_si512(tb->t + 64);
+    r.t3 = _mm512_loadu_si512(tb->t + 96);
+    r.lo = _mm512_set1_epi16((short)tb->lo);
+    /* |x| bits - lo, unsigned: below lo wraps around, so one compare finds both kinds of slow lane */
+    r.span = _mm512_set1_epi16((short)(0x7F80 - tb->lo));
+    return r;
+}
+
+/* T[f] of each of 32 bf16 lanes (f: the low 7 bits). vpermt2w reads the low 6 bits of each index:
+ * entries 0-63 from (t0, t1), 64-127 from (t2, t3). */
+AVX512BW INLINE __m512i tab_entry(const tab_regs *r, __m512i v) {
+    __m512i a = _mm512_permutex2var_epi16(r->t0, v, r->t1);
+    __m512i b = _mm512_permutex2var_epi16(r->t2, v, r->t3);
+    return _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(0x40)), a, b);
+}
+
+/* The lanes the table does not cover (below 2^E_lo, or not finite): the scalar code's. */
+AVX512BW INLINE __mmask32 tab_slow(const tab_regs *r, __m512i v) {
+    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+    return _mm512_cmpge_epu16_mask(_mm512_sub_epi16(mag, r->lo), r->span);
+}
+
 AVX512BW INLINE void fake_seg_bf16_tab(const uint16_t *x, uint16_t *o, int64_t n, float s,
                                        const mant_table *tb, int plain, int toward_zero,
                                        uint32_t tz_mask, int32_t sub_mask, float nan_val) {
-    const __m512i t0 = _mm512_loadu_si512(tb->t), t1 = _mm512_loadu_si512(tb->t + 32);
-    const __m512i t2 = _mm512_loadu_si512(tb->t + 64), t3 = _mm512_loadu_si512(tb->t + 96);
-    const __m512i mag = _mm512_set1_epi16(0x7FFF), hi_bit = _mm512_set1_epi16(0x40);
-    const __m512i sign_exp = _mm512_set1_epi16((short)0xFF80), lo = _mm512_set1_epi16((short)tb->lo);
-    /* |x| bits - lo, unsigned: below lo wraps around, so one compare finds both kinds of slow lane */
-    const __m512i span = _mm512_set1_epi16((short)(0x7F80 - tb->lo));
+    const tab_regs tr = tab_load(tb);
+    const __m512i sign_exp = _mm512_set1_epi16((short)0xFF80);
     int64_t c = 0;
     for (; c + 32 <= n; c += 32) {
         __m512i v = _mm512_loadu_si512(x + c);
-        /* vpermt2w reads the low 6 bits of each index: entries 0-63 from (t0, t1), 64-127 from (t2, t3) */
-        __m512i a = _mm512_permutex2var_epi16(t0, v, t1);
-        __m512i b = _mm512_permutex2var_epi16(t2, v, t3);
-        __m512i t = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, hi_bit), a, b);
-        __m512i r = _mm512_add_epi16(_mm512_and_si512(v, sign_exp), t);
-        __mmask32 slow = _mm512_cmpge_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), lo), span);
+        __m512i r = _mm512_add_epi16(_mm512_and_si512(v, sign_exp), tab_entry(&tr, v));
+        __mmask32 slow = tab_slow(&tr, v);
         if (slow) { /* rare in real weights: |x| below ~amax * 2^-15, or not finite */
             uint16_t xv[32]; /* the inputs, kept: o may be x (in-place fake-quant) */
             _mm512_storeu_si512(xv, v);
@@ -429,29 +453,21 @@ INLINE void build_code_table(float s, mant_table *tb) {
 AVX512BW __attribute__((noinline)) static void quant_rows_bf16_tab(
     const uint16_t *w, int64_t r0, int64_t r1, int64_t k, int64_t ld_w, uint8_t *q, int64_t ld_q,
     int64_t bk, int64_t kb, const float *scale, const mant_table *tables) {
-    const __m512i mag = _mm512_set1_epi16(0x7FFF), hi_bit = _mm512_set1_epi16(0x40);
     const __m512i exp_bits = _mm512_set1_epi16(0x7F80), sign_bit = _mm512_set1_epi16(0x80);
     for (int64_t r = r0; r < r1; r++) {
         const uint16_t *xr = w + r * ld_w;
         uint8_t *qr = q + r * ld_q;
         for (int64_t j = 0; j < kb; j++) {
             int64_t c0 = j * bk, c1 = c0 + bk < k ? c0 + bk : k, c = c0;
-            const mant_table *tb = &tables[j];
-            if (tb->ok) {
-                const __m512i t0 = _mm512_loadu_si512(tb->t), t1 = _mm512_loadu_si512(tb->t + 32);
-                const __m512i t2 = _mm512_loadu_si512(tb->t + 64), t3 = _mm512_loadu_si512(tb->t + 96);
-                const __m512i lo = _mm512_set1_epi16((short)tb->lo);
-                const __m512i span = _mm512_set1_epi16((short)(0x7F80 - tb->lo));
+            if (tables[j].ok) {
+                const tab_regs tr = tab_load(&tables[j]);
                 for (; c + 32 <= c1; c += 32) {
                     __m512i v = _mm512_loadu_si512(xr + c);
-                    __m512i a = _mm512_permutex2var_epi16(t0, v, t1);
-                    __m512i b = _mm512_permutex2var_epi16(t2, v, t3);
-                    __m512i t = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(v, hi_bit), a, b);
-                    __m512i code = _mm512_add_epi16(t, _mm512_srli_epi16(_mm512_and_si512(v, exp_bits), 4));
+                    __m512i code = _mm512_add_epi16(tab_entry(&tr, v),
+                                                    _mm512_srli_epi16(_mm512_and_si512(v, exp_bits), 4));
                     code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi16(v, 8), sign_bit));
                     _mm256_storeu_si256((__m256i *)(qr + c), _mm512_cvtepi16_epi8(code));
-                    __mmask32 slow = _mm512_cmpge_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), lo), span);
-                    for (; slow; slow &= slow - 1) { /* rare: tiny or non-finite x */
+                    for (__mmask32 slow = tab_slow(&tr, v); slow; slow &= slow - 1) { /* rare: tiny or non-finite x */
                         int i = __builtin_ctz(slow);
                         qr[c + i] = e4m3_code(u2f((uint32_t)xr[c + i] << 16), scale[j]);
                     }

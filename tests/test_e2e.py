@@ -148,7 +148,7 @@ def test_eval_runs_on_served_and_trainer_weights_then_restores_the_rollout_copy(
         assert key not in r[0], key  # eval_interval=2
     after = load_rollouts(live / "rollouts", 2)  # step 3's batch, generated after step 2's eval
     assert set(after.weight_versions) == {"step-2"}
-    assert r[2]["sync/fp8_mode"] == 2.0 and r[2]["mismatch/k3_kl"] > 0
+    assert r[2]["sync/fp8_mode"] == 2.0  # the step's own sync went out quantized
 
 
 def test_killed_server_is_restarted_and_the_step_retried(live):

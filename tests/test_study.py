@@ -68,13 +68,18 @@ def _arm(name: str, method: str, quant: str, last20: list[float]) -> ArmResult:
     return ArmResult(name, method, quant, last20, last20, [False] * len(last20), [], [], [], seeds=seeds)
 
 
-def test_verdict_states_the_goal_with_numbers(tmp_path):
+def _baseline_and_acrl_grid(tmp_path: Path, stress: bool):  # noqa: ANN202
+    """A grid file with a BF16-rollout arm ``b`` and an ACRL arm ``a``."""
     grid_file = tmp_path / "g.yaml"
     grid_file.write_text(
-        f"base: {ROOT / 'configs/tiny_dense.yaml'}\nstress: true\n"
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\nstress: {str(stress).lower()}\n"
         "arms:\n  b: [rollout.quantization=none, correction.method=none]\n  a: [correction.method=acrl]\n"
     )
-    grid = load_grid(grid_file)
+    return load_grid(grid_file)
+
+
+def test_verdict_states_the_goal_with_numbers(tmp_path):
+    grid = _baseline_and_acrl_grid(tmp_path, stress=True)
     results = [
         _arm("b", "none", "none", [0.5, 0.6, 0.7]),
         _arm("a", "acrl", "fp8_block", [0.6, 0.6, 0.6]),
@@ -93,12 +98,7 @@ def test_verdict_states_the_goal_with_numbers(tmp_path):
 
 def test_verdict_on_another_metric(tmp_path):
     """The supplementary verdict (trainer's weights) compares that list, and skips seeds without it."""
-    grid_file = tmp_path / "g.yaml"
-    grid_file.write_text(
-        f"base: {ROOT / 'configs/tiny_dense.yaml'}\n"
-        "arms:\n  b: [rollout.quantization=none, correction.method=none]\n  a: [correction.method=acrl]\n"
-    )
-    grid = load_grid(grid_file)
+    grid = _baseline_and_acrl_grid(tmp_path, stress=False)
     b, a = _arm("b", "none", "none", [0.5, 0.6, 0.7]), _arm("a", "acrl", "fp8_block", [0.1, 0.1, 0.1])
     b.trainer_eval, a.trainer_eval = [0.5, 0.5, 0.5], [0.6, float("nan"), 0.7]
     line = verdict(grid, [b, a], "trainer_eval")[0]
