@@ -1,6 +1,6 @@
 """Weight-sync throughput of the bridge vs a raw transfer of the same bytes, on the same group, same run.
 
-    python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 7 --bucket-mb 512 --first-bucket-mb 32]
+    python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 15 --bucket-mb 512 --first-bucket-mb 32]
 
 Starts one real SGLang server (CPU: bf16, so FP8 is fake-quant, block 128x128) on a locally built
 model, connects a :class:`DistributedWeightSynchronizer`, and measures, interleaved (the order flips
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--bucket-mb", type=float, default=512, help="the bridge's largest bucket")
     ap.add_argument("--first-bucket-mb", type=float, default=32, help="the bridge's first bucket")
     ap.add_argument("--work-dir", default=None)

@@ -387,6 +387,19 @@ class _Bucket:
             self.seconds[e.kind] += time.perf_counter() - t0
 
 
+@dataclass
+class _InFlight:
+    """A bucket on its way: the servers' answers (``fut``), the broadcast (``work``), the send buffer
+    it occupies (``idx``) and ``answered_at``, the ``perf_counter`` time every server had answered
+    (0 until then)."""
+
+    bucket: _Bucket
+    idx: int
+    fut: concurrent.futures.Future[Any]
+    work: dist.Work
+    answered_at: float = 0.0
+
+
 class DistributedWeightSynchronizer(WeightSynchronizer):
     """Weight sync through ``/update_weights_from_distributed`` to one or many SGLang servers.
 
@@ -662,14 +675,17 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
 
     def _prepared_buckets(
         self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool
-    ) -> tuple[Iterator[tuple[_Bucket, int]], Callable[[], None]]:
-        """Packed buckets, prepared one ahead on a worker thread that starts at once (so bucket 0 is
-        prepared while the servers pause and open the update); returns the buckets and a shutdown
-        function that stops the worker (idempotent; call it whether or not the buckets were used).
+    ) -> tuple[Iterator[tuple[_Bucket, int]], Callable[[int], None], Callable[[], None]]:
+        """Packed buckets, prepared ahead on a worker thread that starts at once (so bucket 0 is
+        prepared while the servers pause and open the update).
+
+        Returns the buckets (each with the index of the send buffer it occupies), ``release(index)``,
+        which hands a buffer back once its broadcast is complete, and a shutdown function that stops
+        the worker (idempotent; call it whether or not the buckets were used).
 
         The worker pulls tensors (running any lazy conversion of the caller's stream), FP8-quantizes
-        and packs bucket k+1 straight into the second of two send buffers while bucket k is being
-        broadcast and loaded by the servers, so that work hides behind the transfer (torch ops
+        and packs the next bucket straight into a free one of two send buffers while the other is
+        being broadcast and loaded by the servers, so that work hides behind the transfer (torch ops
         release the GIL).
         """
         free: queue.Queue[int] = queue.Queue()
@@ -710,13 +726,13 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                     if isinstance(item, BaseException):
                         raise item
                     yield item
-                    free.put(item[1])  # the consumer has finished sending from this buffer
             finally:
                 shutdown()
 
-        return consume(), shutdown
+        return consume(), free.put, shutdown
 
-    def _send_bucket(self, bucket: _Bucket) -> int:
+    def _post_bucket(self, bucket: _Bucket, idx: int) -> _InFlight:
+        """Send ``bucket``: one request per server and the broadcast they will join."""
         assert self.group is not None
 
         async def post_all() -> list[Any]:
@@ -740,12 +756,45 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
 
         fut = self._submit(post_all())
         work = broadcast_async(bucket.flat, self.group)
+        f = _InFlight(bucket, idx, fut, work)
+        fut.add_done_callback(lambda _: setattr(f, "answered_at", time.perf_counter()))
+        return f
+
+    def _await_joined(self, f: _InFlight) -> None:
+        """Block until every server has joined ``f``'s broadcast (or one refused the bucket).
+
+        A server handles update requests one at a time, in the order they arrive. A request sent
+        while the previous one is still being transferred or loaded waits in the server instead of
+        behind a round trip through the trainer; but only once every server has *joined* the previous
+        broadcast (the trainer's side of a broadcast completes only then) is it certain that the
+        previous request arrived first, so that no server pairs a bucket's bytes with another
+        bucket's layout."""
+        if self.backend != "gloo":
+            # An NCCL root can finish a broadcast small enough for the peers' staging buffers before
+            # they join it, so only their answer proves the order there: not pipelined.
+            self._finish_bucket(f)
+            return
+        # gloo's root finishes a broadcast only once every receiver has joined it, whatever its size
+        # (checked by tests/bridge/test_weight_sync.py). Polled: with a done-callback on the
+        # broadcast's future instead, every transfer on the group was slower (the benchmark's raw
+        # transfers: 0.16-0.18 s with it, 0.13 s without, in alternating runs).
+        deadline = time.monotonic() + self.timeout_s
+        while not (f.work.is_completed() or f.fut.done()):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"bucket not received after {self.timeout_s}s")
+            time.sleep(0.0005)
+        if not f.work.is_completed():
+            # A server answered first: a refusal (it never joins), which this raises with the
+            # server's answer; or the broadcast is a moment from being marked done.
+            self._finish_bucket(f)
+
+    def _finish_bucket(self, f: _InFlight) -> int:
+        """Wait for every server to have loaded ``f``'s bucket; returns its bytes."""
         # Wait on the servers' answers, never blindly on the broadcast: a server answers only after
         # it has received and loaded the bucket, or with an error if it refused it (then it never
-        # joins the broadcast, which would wait forever). Blocking here instead of polling the
-        # broadcast also leaves the GIL to the packing thread.
+        # joins the broadcast, which would wait forever).
         try:
-            results = fut.result(timeout=self.timeout_s)
+            results = f.fut.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError as e:
             raise WeightSyncError(f"bucket not loaded after {self.timeout_s}s") from e
         except Exception as e:
@@ -757,14 +806,17 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             for r in results
         ]
         if all(loaded):
-            work.wait(timeout=timedelta(seconds=self.timeout_s))  # done: every server received it
+            f.work.wait(timeout=timedelta(seconds=self.timeout_s))  # done: every server received it
         for url, c, r, ok in zip(self.urls, self._clients, results, loaded, strict=True):
             if ok and not r.get("success"):
                 # Loaded, but requests were still being retracted: flush on its own, with retries.
                 self._run(c.flush_cache())
             elif not (isinstance(r, dict) and r.get("success")):
-                raise WeightSyncError(f"{url} failed to load bucket {bucket.names[:3]}...: {r}")
-        return bucket.nbytes
+                raise WeightSyncError(
+                    f"{url} failed to load bucket {f.bucket.names[:3]}...: {r}; "
+                    "the update group may be unusable (reconnect)"
+                )
+        return f.bucket.nbytes
 
     def sync(
         self,
@@ -803,15 +855,16 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                 self._validated = key
         timings["validate"] = time.perf_counter() - t0
         # The packer starts on bucket 0 now, overlapping the pause / begin round trips.
-        buckets, stop_packer = self._prepared_buckets(items, checked)
+        buckets, release, stop_packer = self._prepared_buckets(items, checked)
         try:
-            return self._update(buckets, checked, version, t0, timings)
+            return self._update(buckets, release, checked, version, t0, timings)
         finally:
             stop_packer()
 
     def _update(
         self,
         buckets: Iterator[tuple[_Bucket, int]],
+        release: Callable[[int], None],
         checked: bool,
         version: str,
         t0: float,
@@ -833,24 +886,43 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         sent: set[str] = set()
         for k in ("quantize", "pack", "wire", "wait"):
             timings[k] = 0.0
+        inflight: list[_InFlight] = []  # sent, not yet loaded by every server (at most two)
         try:
             t = time.perf_counter()
             with contextlib.closing(buckets):
                 while True:
                     tw = time.perf_counter()
                     item = next(buckets, None)
-                    timings["wait"] += time.perf_counter() - tw  # preparation not hidden by a transfer
+                    # Preparation not hidden by a transfer: all of bucket 0's wait, and for later
+                    # ones the part after the servers had loaded everything sent before.
+                    ready = time.perf_counter()
+                    idle = inflight[-1].answered_at if inflight else tw
+                    timings["wait"] += max(0.0, ready - idle) if idle else 0.0
                     if item is None:
                         break
-                    bucket = item[0]
                     tw = time.perf_counter()
-                    n_bytes += self._send_bucket(bucket)
+                    # Pipelined one deep: the next request waits in the servers while they load the
+                    # previous bucket, instead of after a round trip through the trainer.
+                    if inflight:
+                        self._await_joined(inflight[-1])
+                        # Its broadcast is complete, so its buffer is free: the packer fills it while
+                        # the servers load the bucket (the trainer's core is otherwise idle then).
+                        release(inflight[-1].idx)
+                    inflight.append(self._post_bucket(*item))
+                    if len(inflight) == 2:
+                        n_bytes += self._finish_bucket(inflight.pop(0))
                     timings["wire"] += time.perf_counter() - tw
+                    bucket = item[0]
                     timings["quantize"] += bucket.seconds["fp8"]
                     timings["pack"] += bucket.seconds["copy"]
                     n_tensors += len(bucket.names)
                     n_buckets += 1
                     sent.update(bucket.names)
+            tw = time.perf_counter()
+            while inflight:
+                n_bytes += self._finish_bucket(inflight[0])
+                inflight.pop(0)
+            timings["wire"] += time.perf_counter() - tw
             timings["buckets"] = time.perf_counter() - t
             if n_buckets == 0:  # nothing sent (an empty partial update): still drop stale KV
                 self._all("flush_cache")
@@ -867,6 +939,11 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             self._all("update_weight_version", version)
             timings["end_version"] = time.perf_counter() - t
         except BaseException as e:
+            if isinstance(e, Exception):
+                # Let whatever is still on its way land, so a retry's requests cannot overtake it.
+                for f in inflight:
+                    with contextlib.suppress(Exception):
+                        self._finish_bucket(f)
             raise WeightSyncError(
                 f"weight update to {version!r} failed after {n_buckets} buckets: {e}\n"
                 f"servers {self.urls} are left PAUSED (generation would run on partially updated weights); "

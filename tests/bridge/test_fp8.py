@@ -299,6 +299,23 @@ def test_native_kernel_bit_identical_on_every_pattern(
             assert _same(q, q_ref) and _same(s, s_ref)
 
 
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_native_kernel_large_outputs_aligned_or_not(ue8m0: bool, native_table: bool) -> None:
+    """Outputs of 1 MiB and more, like a send bucket's, take streaming stores where every 64-byte
+    store is aligned and ordinary ones where not: both, and in place, equal the reference, slow
+    lanes (subnormal edge, inf, NaN) included."""
+    w = torch.cat([_every_mantissa_under_odd_scales()] * 3)  # [384, 3072] bf16, 2.25 MiB
+    w[5, 7], w[200, 1000], w[300, 2000] = float("inf"), float("-inf"), float("nan")
+    buf = torch.empty(w.numel() * 2 + 64, dtype=torch.uint8)
+    for block in [(128, 128), (32, 64)]:
+        ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
+        for off in (0, 2):  # buf is 64-byte aligned (torch's CPU allocator): a 2-byte offset is not
+            out = buf[off : off + w.numel() * 2].view(torch.bfloat16).view(w.shape)
+            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0), ref)
+        x = w.clone()
+        assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0), ref)
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("mantissa_bits", [3, 2, 1, 0])
 def test_native_kernel_stress_grids_match_pytorch(

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 import torch
+import torch.multiprocessing as mp
 from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
 
 from sglang_bridge.client import SamplingParams, SGLangClient
@@ -24,7 +25,7 @@ from sglang_bridge.fp8 import (
     fake_quantize,
     should_quantize,
 )
-from sglang_bridge.server import SGLangServer
+from sglang_bridge.server import SGLangServer, free_port
 from sglang_bridge.weight_sync import (
     DistributedWeightSynchronizer,
     Manifest,
@@ -181,6 +182,73 @@ def test_failed_stream_leaves_server_paused_and_retry_recovers(
     samples = _generate(sglang_server.url, GREEDY)
     assert {s.weight_version for s in samples} == {"v3"}
     assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v3)) < 1e-2
+
+
+def test_refused_bucket_mid_update_fails_fast_and_a_new_group_recovers(
+    sglang_server, manifest, restore_v1: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that refuses a bucket never joins its broadcast. With the next request pipelined
+    behind it, the sync must see the refusal, not send the next bucket (the server would pair its
+    bytes with the refused one's broadcast), leave the server paused on the old version, and a
+    reconnected synchronizer must recover."""
+    v4 = _perturbed(restore_v1, seed=4)
+    posted: list[list[str]] = []
+    post = DistributedWeightSynchronizer._post_bucket
+
+    def refuse_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
+        posted.append(list(bucket.names))
+        if len(posted) == 2:  # a dtype the server cannot build: it answers without receiving
+            bucket.dtypes = ["float99", *bucket.dtypes[1:]]
+        return post(self, bucket, idx)
+
+    broken = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=60)
+    broken.connect()
+    monkeypatch.setattr(DistributedWeightSynchronizer, "_post_bucket", refuse_second)
+    try:
+        with pytest.raises(WeightSyncError, match="PAUSED") as err:
+            broken.sync(v4, version="v4-refused")
+        assert "float99" in str(err.value) or "receive" in str(err.value)
+        assert len(posted) == 2  # nothing was sent after the refused bucket
+        assert asyncio.run(_version(sglang_server.url)) != "v4-refused"
+    finally:
+        monkeypatch.undo()
+        broken.close()
+    fresh = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=60)
+    fresh.connect()
+    try:
+        assert fresh.sync(v4, version="v4").num_buckets > 2
+    finally:
+        fresh.close()
+    samples = _generate(sglang_server.url, GREEDY)
+    assert {s.weight_version for s in samples} == {"v4"}
+    assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v4)) < 1e-2
+
+
+def _gloo_broadcast_rank(rank: int, port: int, path: str) -> None:
+    from sglang_bridge.weight_sync import broadcast_async, create_update_group
+
+    group = create_update_group("gloo", "127.0.0.1", port, 2, rank, "join-test", timedelta(seconds=60))
+    done = []
+    for n in (16, 1 << 20):
+        t = torch.zeros(n, dtype=torch.uint8)
+        if rank == 0:
+            work = broadcast_async(t, group)
+            time.sleep(0.5)  # the receiver joins only after 1 s
+            done.append(work.is_completed())
+            work.wait()
+        else:
+            time.sleep(1.0)
+            broadcast_async(t, group).wait()
+    if rank == 0:
+        torch.save(done, path)
+
+
+def test_gloo_root_finishes_a_broadcast_only_once_the_receiver_joins(tmp_path: Path) -> None:
+    """What the pipelined sync's ordering rests on: until every server has joined a bucket's
+    broadcast, the trainer's side of it is not complete, however small the bucket."""
+    path = str(tmp_path / "done.pt")
+    mp.start_processes(_gloo_broadcast_rank, args=(free_port(), path), nprocs=2, start_method="spawn")
+    assert torch.load(path) == [False, False]
 
 
 def _running_requests(obj: object) -> int:
