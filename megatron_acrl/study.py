@@ -418,10 +418,26 @@ def _final(rows: list[dict], key: str) -> float:
     return next((float(x[key]) for x in reversed(rows) if isinstance(x.get(key), int | float)), math.nan)
 
 
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145)
+"""Student's t 97.5% quantiles for 1..14 degrees of freedom (a two-sided 95% interval)."""
+
+
+def paired_ci(diffs: Sequence[float]) -> tuple[float, float] | None:
+    """95% confidence interval of the mean of paired differences (Student's t; normal quantile past
+    14 degrees of freedom, which the t table would change by < 0.1 of the half-width); None for
+    fewer than 2 pairs."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    q = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    m, half = statistics.mean(diffs), q * statistics.stdev(diffs) / math.sqrt(n)
+    return m - half, m + half
+
+
 def _cmp(a: ArmResult, b: ArmResult, strict: bool, metric: str = "last20") -> str:
     """``a`` vs ``b`` on ``metric`` (an ArmResult list: mean-of-last-20% reward by default) over the
-    seeds both finished (paired by seed), with the numbers and the per-seed wins; fewer than 3 common
-    seeds is said to be no result over seeds."""
+    seeds both finished (paired by seed), with the numbers, the 95% CI of the paired difference and
+    the per-seed wins; fewer than 3 common seeds is said to be no result over seeds."""
     va, vb = getattr(a, metric), getattr(b, metric)
     sa_, sb_ = a.seeds or list(range(len(va))), b.seeds or list(range(len(vb)))
     common = [
@@ -436,10 +452,12 @@ def _cmp(a: ArmResult, b: ArmResult, strict: bool, metric: str = "last20") -> st
     wins = sum(x > y if strict else x >= y for x, y in zip(xa, xb, strict=True))
     sign = ">" if strict else ">="
     few = "" if len(common) >= 3 else f"; only {len(common)} common seed(s): not a result over seeds"
+    ci = paired_ci([x - y for x, y in zip(xa, xb, strict=True)])
+    ci_txt = f", 95% CI {ci[0]:+.3f} to {ci[1]:+.3f}" if ci else ""
     return (
         f"`{a.arm}` {ma:.3f} +- {sa:.3f} vs `{b.arm}` {mb:.3f} +- {sb:.3f}: "
-        f"**{'yes' if ok else 'no'}** (difference {ma - mb:+.3f}; {sign} on {wins}/{len(common)} seeds, "
-        f"paired by seed{few})"
+        f"**{'yes' if ok else 'no'}** (difference {ma - mb:+.3f}{ci_txt}; {sign} on {wins}/{len(common)} "
+        f"seeds, paired by seed{few})"
     )
 
 
@@ -587,7 +605,15 @@ def write_report(
         "",
     ]
     collected = {g.name: collect(g, out) for g in grids}
-    lines += ["## Goal verdict at a glance", ""]
+    lines += [
+        "## Goal verdict at a glance",
+        "",
+        "Each line: the two arms' means +- std over seeds, the verdict on the means, the mean paired "
+        "difference with its 95% confidence interval (Student's t over the seeds both arms finished) "
+        "and the seeds on which the comparison holds. An interval that contains 0 means these seeds "
+        "do not tell the two arms apart.",
+        "",
+    ]
     for g in grids:
         lines += [f"*{g.title}* (`{g.name}`):", ""]
         lines += verdict(g, collected[g.name])

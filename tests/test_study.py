@@ -88,12 +88,17 @@ def test_verdict_states_the_goal_with_numbers(tmp_path):
     ]
     text = "\n".join(verdict(grid, results))
     assert "ACRL >= BF16 rollout: `a` 0.600 +- 0.000 vs `b` 0.600 +- 0.100: **yes**" in text
-    assert "ACRL > TIS: `a` 0.600 +- 0.000 vs `t` 0.700 +- 0.100: **no** (difference -0.100; > on 0/3" in text
+    # paired differences 0, -0.1, -0.2: mean -0.1, t(2) = 4.303, half-width 4.303 * 0.1 / sqrt(3)
+    assert (
+        "ACRL > TIS: `a` 0.600 +- 0.000 vs `t` 0.700 +- 0.100: **no** "
+        "(difference -0.100, 95% CI -0.348 to +0.148; > on 0/3"
+    ) in text
     assert "ACRL > MIS: `a` 0.600 +- 0.000 vs `m` 0.200 +- 0.100: **yes**" in text
     # seeds are paired: an arm with fewer finished seeds is compared on the common ones only
     short = ArmResult("a", "acrl", "fp8_block", [0.6], [0.6], [False], [], [], [], seeds=[2])
     line = verdict(grid, [results[0], short])[0]
     assert "`a` 0.600 +- 0.000 vs `b` 0.600 +- 0.000: **yes**" in line and "only 1 common seed" in line
+    assert "CI" not in line  # no interval from one pair
 
 
 def test_verdict_on_another_metric(tmp_path):
