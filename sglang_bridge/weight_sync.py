@@ -476,10 +476,15 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         return self._submit(coro).result()
 
     def _all(self, method: str, *args: Any, **kw: Any) -> list[Any]:
+        return self._submit_all(method, *args, **kw).result()
+
+    def _submit_all(self, method: str, *args: Any, **kw: Any) -> concurrent.futures.Future[list[Any]]:
+        """``method`` on every server at once; the future holds their answers in server order."""
+
         async def go() -> list[Any]:
             return list(await asyncio.gather(*(getattr(c, method)(*args, **kw) for c in self._clients)))
 
-        return self._run(go())
+        return self._submit(go())
 
     @property
     def fp8_label(self) -> str:
@@ -918,22 +923,35 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                     n_tensors += len(bucket.names)
                     n_buckets += 1
                     sent.update(bucket.names)
-            tw = time.perf_counter()
-            while inflight:
-                n_bytes += self._finish_bucket(inflight[0])
-                inflight.pop(0)
-            timings["wire"] += time.perf_counter() - tw
-            timings["buckets"] = time.perf_counter() - t
-            if n_buckets == 0:  # nothing sent (an empty partial update): still drop stale KV
-                self._all("flush_cache")
             if not checked and self.require_complete:
                 missing = set(self.manifest.tensors) - sent
                 if missing:
                     raise ManifestMismatchError(
                         f"stream ended without {len(missing)} served weights, e.g. {sorted(missing)[:5]}"
                     )
+            tw = time.perf_counter()
+            end = None
+            if inflight:
+                # Pipelined like a bucket: /end_weight_update waits in the servers behind the last
+                # bucket (the tokenizer manager serialises both on is_pause_cond). If that bucket
+                # fails, the session is closed on partial weights: still paused, and a retry opens
+                # a new one.
+                self._await_joined(inflight[-1])
+                end = self._submit_all("end_weight_update")
+            while inflight:
+                n_bytes += self._finish_bucket(inflight[0])
+                inflight.pop(0)
+            timings["wire"] += time.perf_counter() - tw
+            timings["buckets"] = time.perf_counter() - t
             t = time.perf_counter()
-            for url, r in zip(self.urls, self._all("end_weight_update"), strict=True):
+            if end is None:
+                self._all("flush_cache")  # nothing sent (an empty partial update): still drop stale KV
+                end = self._submit_all("end_weight_update")
+            try:
+                ends = end.result(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError as e:
+                raise WeightSyncError(f"end_weight_update not answered after {self.timeout_s}s") from e
+            for url, r in zip(self.urls, ends, strict=True):
                 if not (isinstance(r, dict) and r.get("success")):
                     raise WeightSyncError(f"{url} end_weight_update failed: {r}")
             self._all("update_weight_version", version)

@@ -184,31 +184,40 @@ def test_failed_stream_leaves_server_paused_and_retry_recovers(
     assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v3)) < 1e-2
 
 
-def test_refused_bucket_mid_update_fails_fast_and_a_new_group_recovers(
-    sglang_server, manifest, restore_v1: dict, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("which", ["second", "last"])
+def test_refused_bucket_fails_fast_and_a_new_group_recovers(
+    sglang_server, manifest, restore_v1: dict, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
-    """A server that refuses a bucket never joins its broadcast. With the next request pipelined
-    behind it, the sync must see the refusal, not send the next bucket (the server would pair its
-    bytes with the refused one's broadcast), leave the server paused on the old version, and a
-    reconnected synchronizer must recover."""
+    """A server that refuses a bucket never joins its broadcast. With the next request (a bucket, or
+    /end_weight_update after the last one) pipelined behind it, the sync must see the refusal and
+    send nothing more (the server would pair a later bucket's bytes with the refused broadcast),
+    leave the server paused on the old version, and a reconnected synchronizer must recover."""
     v4 = _perturbed(restore_v1, seed=4)
-    posted: list[list[str]] = []
+    posted: list[_Bucket] = []
     post = DistributedWeightSynchronizer._post_bucket
 
-    def refuse_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
-        posted.append(list(bucket.names))
-        if len(posted) == 2:  # a dtype the server cannot build: it answers without receiving
-            bucket.dtypes = ["float99", *bucket.dtypes[1:]]
+    def refuse(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
+        posted.append(bucket)
+        if (len(posted) == 2) if which == "second" else bucket.last:
+            bucket.dtypes = ["float99", *bucket.dtypes[1:]]  # the server cannot build it: it answers
         return post(self, bucket, idx)
 
     broken = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=60)
     broken.connect()
-    monkeypatch.setattr(DistributedWeightSynchronizer, "_post_bucket", refuse_second)
+    monkeypatch.setattr(DistributedWeightSynchronizer, "_post_bucket", refuse)
+    ends: list[int] = []
+    end = SGLangClient.end_weight_update
+
+    async def count_end(self: SGLangClient) -> object:
+        ends.append(1)
+        return await end(self)
+
+    monkeypatch.setattr(SGLangClient, "end_weight_update", count_end)
     try:
         with pytest.raises(WeightSyncError, match="PAUSED") as err:
             broken.sync(v4, version="v4-refused")
         assert "float99" in str(err.value) or "receive" in str(err.value)
-        assert len(posted) == 2  # nothing was sent after the refused bucket
+        assert posted[-1].dtypes[0] == "float99" and not ends  # nothing was sent after the refusal
         assert asyncio.run(_version(sglang_server.url)) != "v4-refused"
     finally:
         monkeypatch.undo()
