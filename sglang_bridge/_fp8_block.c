@@ -31,8 +31,8 @@
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define HAVE_TABLE_PATH 1
-#define NT_MIN_BYTES ((size_t)1 << 20) /* smaller outputs are likely read again from cache */
 #endif
+#define NT_MIN_BYTES ((size_t)1 << 20) /* smaller outputs are likely read again from cache */
 
 /* Hot loops are compiled for AVX-512 / AVX2 / baseline x86-64 and picked at load time (GCC
  * function multi-versioning), so a library cached in a shared home directory stays valid on every

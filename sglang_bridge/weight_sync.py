@@ -390,14 +390,15 @@ class _Bucket:
 @dataclass
 class _InFlight:
     """A bucket on its way: the servers' answers (``fut``), the broadcast (``work``), the send buffer
-    it occupies (``idx``) and ``answered_at``, the ``perf_counter`` time every server had answered
-    (0 until then)."""
+    it occupies (``idx``), ``answered_at``, the ``perf_counter`` time every server had answered
+    (0 until then), and ``loaded``, set once every server's answer was checked."""
 
     bucket: _Bucket
     idx: int
     fut: concurrent.futures.Future[Any]
     work: dist.Work
     answered_at: float = 0.0
+    loaded: bool = False
 
 
 class DistributedWeightSynchronizer(WeightSynchronizer):
@@ -794,7 +795,10 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             self._finish_bucket(f)
 
     def _finish_bucket(self, f: _InFlight) -> int:
-        """Wait for every server to have loaded ``f``'s bucket; returns its bytes."""
+        """Wait for every server to have loaded ``f``'s bucket; returns its bytes. Once only: a
+        bucket already checked (by :meth:`_await_joined`) is not waited on or flushed again."""
+        if f.loaded:
+            return f.bucket.nbytes
         # Wait on the servers' answers, never blindly on the broadcast: a server answers only after
         # it has received and loaded the bucket, or with an error if it refused it (then it never
         # joins the broadcast, which would wait forever).
@@ -821,6 +825,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                     f"{url} failed to load bucket {f.bucket.names[:3]}...: {r}; "
                     "the update group may be unusable (reconnect)"
                 )
+        f.loaded = True
         return f.bucket.nbytes
 
     def sync(
