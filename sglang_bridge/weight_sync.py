@@ -911,16 +911,15 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                     if item is None:
                         break
                     tw = time.perf_counter()
-                    # Pipelined one deep: the next request waits in the servers while they load the
+                    # Pipelined one deep: this request waits in the servers while they load the
                     # previous bucket, instead of after a round trip through the trainer.
-                    if inflight:
-                        self._await_joined(inflight[-1])
-                        # Its broadcast is complete, so its buffer is free: the packer fills it while
-                        # the servers load the bucket (the trainer's core is otherwise idle then).
-                        release(inflight[-1].idx)
                     inflight.append(self._post_bucket(*item))
                     if len(inflight) == 2:
                         n_bytes += self._finish_bucket(inflight.pop(0))
+                    self._await_joined(inflight[-1])
+                    # Its broadcast is complete, so its buffer is free: the packer fills it while
+                    # the servers load the bucket (the trainer's core is otherwise idle then).
+                    release(inflight[-1].idx)
                     timings["wire"] += time.perf_counter() - tw
                     bucket = item[0]
                     timings["quantize"] += bucket.seconds["fp8"]
@@ -937,11 +936,10 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             tw = time.perf_counter()
             end = None
             if inflight:
-                # Pipelined like a bucket: /end_weight_update waits in the servers behind the last
-                # bucket (the tokenizer manager serialises both on is_pause_cond). If that bucket
-                # fails, the session is closed on partial weights: still paused, and a retry opens
-                # a new one.
-                self._await_joined(inflight[-1])
+                # Pipelined like a bucket (the last one was joined above): /end_weight_update waits
+                # in the servers behind it (the tokenizer manager serialises both on is_pause_cond).
+                # If that bucket fails, the session is closed on partial weights: still paused, and
+                # a retry opens a new one.
                 end = self._submit_all("end_weight_update")
             while inflight:
                 n_bytes += self._finish_bucket(inflight[0])
