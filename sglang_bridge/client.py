@@ -200,7 +200,7 @@ class _ControlConnections:
             return status, payload
         except TimeoutError as e:
             raise TimeoutError(f"no answer within {timeout_s}s") from e
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+        except (OSError, EOFError, asyncio.LimitOverrunError, ValueError, IndexError) as e:  # or garbled
             raise _Dropped(f"{type(e).__name__}: {e}") from e
         finally:
             if keep:

@@ -96,6 +96,13 @@ async def hang_up(req: dict[str, Any], w: asyncio.StreamWriter) -> bool:
     return False
 
 
+async def garbled(req: dict[str, Any], w: asyncio.StreamWriter) -> bool:
+    """Not HTTP: no status code on the first line."""
+    w.write(b"NONSENSE\r\n\r\n")
+    await w.drain()
+    return False
+
+
 def silent(seconds: float) -> Reply:
     async def reply(req: dict[str, Any], w: asyncio.StreamWriter) -> bool:
         await asyncio.sleep(seconds)
@@ -199,9 +206,10 @@ def test_a_weight_update_dropped_mid_request_is_never_sent_twice():
     asyncio.run(go())
 
 
-def test_an_idempotent_call_dropped_mid_request_is_retried():
+@pytest.mark.parametrize("failure", [hang_up, garbled], ids=["hang-up", "garbled"])
+def test_an_idempotent_call_dropped_mid_request_is_retried(failure: Reply):
     async def go() -> None:
-        srv = Scripted([hang_up, length()])
+        srv = Scripted([failure, length()])
         async with srv as url:
             c = client(url)
             assert (await c.continue_generation())["success"]
