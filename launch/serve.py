@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from launch.exit_codes import CONFIG_ERROR, DEFAULT_PORT
 from megatron_acrl.config import Config, ConfigError, load_config
@@ -49,9 +50,18 @@ def server_slot(
     )
 
 
-def server_command(cfg: Config, slot: ServerSlot, api_key: str | None) -> tuple[list[str], dict[str, str]]:
-    """Command line and environment of the SGLang server for ``slot``."""
+def server_command(
+    cfg: Config, slot: ServerSlot, api_key: str | None, run_dir: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Command line and environment of the SGLang server for ``slot``.
+
+    With real FP8 rollout (a cuda server, ``rollout.fp8_mode`` auto or real) the server serves the FP8
+    copy of ``model.hf_path`` under ``run_dir/served_fp8`` (written by the first task that needs it;
+    the trainer reads its weight-sync manifest from the same copy), so its weights are exactly the
+    e4m3 + scales the bridge sends."""
     # Imported here so that `launch.submit` (and its tests) never import the SGLang side.
+    from megatron_acrl.engine import fp8_scheme, resolve_fp8_mode
+    from sglang_bridge.fp8 import served_fp8_checkpoint
     from sglang_bridge.server import ServerSpec
 
     if cfg.model.hf_path is None:
@@ -61,17 +71,22 @@ def server_command(cfg: Config, slot: ServerSlot, api_key: str | None) -> tuple[
     device = cfg.rollout.device
     if device == "auto":
         device = "cuda" if slot.gpu_ids or os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
-    # FP8 rollouts: the GPU server quantizes online and the trainer's weight sync sends FP8 buckets; on
-    # CPU FP8 serving does not exist (shared/docs/research/sglang.md), the bridge fake-quantizes instead.
-    quant = "fp8" if cfg.rollout.quantization != "none" and device == "cuda" else None
+    # FP8 rollouts: a GPU server serves the FP8 checkpoint and the trainer's weight sync sends FP8
+    # buckets; on CPU FP8 serving does not exist (shared/docs/research/sglang.md), so the server holds
+    # bf16 and the bridge fake-quantizes.
+    model_path = cfg.model.hf_path
+    scheme = fp8_scheme(cfg)
+    if scheme is not None and resolve_fp8_mode(cfg, device) == "real":
+        if run_dir is None:
+            raise ConfigError([("rollout.fp8_mode", "real FP8 serving needs the run directory")])
+        model_path = str(served_fp8_checkpoint(model_path, run_dir / "served_fp8", scheme))
     spec = ServerSpec(
-        model_path=cfg.model.hf_path,
+        model_path=model_path,
         device=device,
         host=slot.host,
         port=slot.port,
         tp=cfg.rollout.server_tp,
         gpu_ids=slot.gpu_ids,
-        quantization=quant,
         api_key=api_key,
         random_seed=cfg.training.seed + slot.index,
     )
@@ -95,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(key_env) if key_env else None
         if key_env and not api_key:
             raise ConfigError([("rollout.api_key_env", f"environment variable {key_env} is not set")])
-        cmd, env = server_command(cfg, slot, api_key)
+        # The job's config is written into its run directory (launch.submit), where the trainer
+        # also runs.
+        cmd, env = server_command(cfg, slot, api_key, Path(args.config).resolve().parent)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return CONFIG_ERROR

@@ -22,7 +22,7 @@ import torch
 
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
-from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress
+from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
 from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
@@ -83,7 +83,8 @@ class RolloutEngine:
 
     Args:
         cfg: run config.
-        model_dir: HF directory the servers serve initially (and restart from).
+        model_dir: HF directory the servers serve initially (and restart from); with real FP8 rollout,
+            its FP8 copy in ``log_dir``'s parent (the run directory), ``served_fp8/``.
         log_dir: where server logs go.
     """
 
@@ -124,6 +125,16 @@ class RolloutEngine:
             raise RuntimeError(
                 f"rollout.api_key_env={r.api_key_env!r} but that environment variable is not set"
             )
+        # Real FP8: the servers serve an FP8 copy of the checkpoint in the rollout's scheme (e4m3 +
+        # scales + quantization_config, written once into the run directory), and the manifest every
+        # sync is validated against is read from that copy. SGLang's online `--quantization fp8` of the
+        # bf16 checkpoint would hold per-tensor scales under the bf16 checkpoint's manifest instead,
+        # so the e4m3 + weight_scale_inv the bridge sends would match neither.
+        self.served_dir = self.model_dir
+        if self.scheme is not None and self.fp8_mode == "real":
+            self.served_dir = str(
+                served_fp8_checkpoint(self.model_dir, self.log_dir.parent / "served_fp8", self.scheme)
+            )
         self.servers: list[SGLangServer] = []
         self.restarts = 0
         if r.server_urls:
@@ -145,15 +156,13 @@ class RolloutEngine:
     def _server(self, i: int) -> SGLangServer:
         r = self.cfg.rollout
         spec = ServerSpec(
-            model_path=self.model_dir,
+            model_path=self.served_dir,
             device=self.device,  # type: ignore[arg-type]
             host=r.host,
             port=r.base_port + i if r.base_port else None,
             tp=r.server_tp,
             api_key=self.api_key,
             random_seed=self.cfg.training.seed + i,
-            # Real FP8: SGLang quantizes the bf16 checkpoint at load and we send e4m3 + scales.
-            quantization="fp8" if self.fp8_mode == "real" and r.quantization != "none" else None,
             return_routed_experts=routed_experts_topk(self.cfg) is not None,
             kv_cache_dtype=r.kv_cache_dtype,
         )
@@ -165,7 +174,7 @@ class RolloutEngine:
         r = self.cfg.rollout
         self.sync = DistributedWeightSynchronizer(
             self.urls,
-            Manifest.from_checkpoint(self.model_dir),
+            Manifest.from_checkpoint(self.served_dir),
             server_tp=r.server_tp,
             api_key=self.api_key,
             device="cuda" if self.device == "cuda" else "cpu",

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -551,6 +554,113 @@ def quantize_named_tensors(
             yield name[: -len("weight")] + scheme.scale_suffix, s
 
 
+def fp8_quantization_config(scheme: Fp8Scheme) -> dict[str, Any]:
+    """The HF ``quantization_config`` of a checkpoint serialized under ``scheme`` (what SGLang reads to
+    serve it as FP8, and what :func:`scheme_from_config` reads back): ``quant_method: fp8`` for block
+    and per-tensor scales, a compressed-tensors FP8 group for per-channel ones."""
+    if scheme.granularity == "per_channel":
+        qc: dict[str, Any] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "channel",
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "token",
+                        "symmetric": True,
+                        "dynamic": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head", *scheme.ignored],
+        }
+    else:
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if scheme.granularity == "block":
+            qc["weight_block_size"] = list(scheme.block_size)
+        if scheme.ignored:
+            qc["ignored_layers"] = list(scheme.ignored)
+    if scheme.ue8m0:
+        qc["scale_fmt"] = "ue8m0"
+    return qc
+
+
+def write_fp8_checkpoint(src: str | Path, dst: str | Path, scheme: Fp8Scheme) -> Path:
+    """Write an FP8 copy of the bf16 HF checkpoint ``src`` to ``dst``; returns ``dst``.
+
+    What a real FP8 server is started from (and what its weight-sync manifest is read from): every
+    weight :func:`should_quantize` selects becomes e4m3 plus its scale (``weight_scale_inv`` for
+    block scales, ``weight_scale`` otherwise), everything else is copied unchanged, and
+    ``config.json`` gains :func:`fp8_quantization_config`. One safetensors file at a time (sharded
+    checkpoints keep their shards; the index gains the scales). Files other than the weights
+    (tokenizer, generation config) are copied. Writes into a temporary directory first, so an
+    interrupted write never leaves a half-written checkpoint under ``dst``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {src}")
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
+    # Several processes may write the same copy at once (each server task of a job, and the
+    # trainer); each writes its own temporary directory, and the first to finish publishes it.
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}-{id(files)}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    index: dict[str, str] = {}
+    for f in files:
+        out = dict(quantize_named_tensors(load_file(str(f)).items(), scheme, mode="real"))
+        save_file({k: v.contiguous() for k, v in out.items()}, str(tmp / f.name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(out, f.name))
+    for other in src.iterdir():
+        if other.is_file() and other.suffix != ".safetensors" and other.name != "config.json":
+            shutil.copy2(other, tmp / other.name)
+    cfg["quantization_config"] = fp8_quantization_config(scheme)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    idx = tmp / "model.safetensors.index.json"
+    if idx.exists():
+        meta = json.loads(idx.read_text())
+        meta["weight_map"] = index
+        idx.write_text(json.dumps(meta, indent=2))
+    try:
+        tmp.rename(dst)  # atomic; fails if another writer published dst first (or dst is in the way)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "config.json").exists():
+            raise
+    return dst
+
+
+def served_fp8_checkpoint(model_dir: str | Path, root: str | Path, scheme: Fp8Scheme) -> Path:
+    """The checkpoint a real FP8 server serves for the bf16 ``model_dir``: ``model_dir`` itself if it
+    is already FP8-serialized, else its FP8 copy under ``root`` in ``scheme`` (written by
+    :func:`write_fp8_checkpoint` once, then reused; its name states the scheme)."""
+    import json
+
+    model_dir = Path(model_dir)
+    if json.loads((model_dir / "config.json").read_text()).get("quantization_config"):
+        return model_dir
+    tag = {"block": "block{}x{}".format(*scheme.block_size)}.get(scheme.granularity, scheme.granularity)
+    tag += "-ue8m0" if scheme.ue8m0 else ""
+    tag += f"-ignore{len(scheme.ignored)}" if scheme.ignored else ""
+    dst = Path(root) / f"{model_dir.name}-fp8-{tag}"
+    if (dst / "config.json").exists():
+        return dst
+    return write_fp8_checkpoint(model_dir, dst, scheme)
+
+
 # -- stress emulation (the study's "truncated FP8"): harsher than any production FP8 recipe ---------
 
 Rounding = Literal["nearest", "toward_zero"]
@@ -660,6 +770,7 @@ __all__ = [
     "fake_quantize_block_into",
     "fake_quantize_named_stress",
     "fake_quantize_stress",
+    "fp8_quantization_config",
     "is_router",
     "native_available",
     "quantize",
@@ -669,6 +780,8 @@ __all__ = [
     "quantize_per_channel",
     "quantize_per_tensor",
     "scheme_from_config",
+    "served_fp8_checkpoint",
     "should_quantize",
     "to_e4m3",
+    "write_fp8_checkpoint",
 ]
