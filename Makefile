@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/correction_overhead.py
 	$(PY) benchmarks/logprob.py
 	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/fp8_logprob_gap.py
 	$(PY) benchmarks/rl_step.py
 
 # The tiny config end to end: 2 Megatron ranks (TP=2, gloo), a real SGLang CPU server, ACRL, W&B offline.
