@@ -187,9 +187,10 @@ class _ControlConnections:
     async def post(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
         """POST ``body`` as JSON; returns (status, response body).
 
-        Raises ``ConnectionRefusedError`` / ``OSError`` / ``TimeoutError`` if no connection could be
-        made (nothing was sent), and :class:`_Dropped` if the connection failed after the request was
-        written (the server may or may not have acted on it)."""
+        Raises ``OSError`` (refused, unreachable, connect timed out) if no connection could be made
+        (nothing was sent), ``TimeoutError`` if no answer came within ``timeout_s``, and
+        :class:`_Dropped` if the connection failed after the request was written (the server may or
+        may not have acted on it)."""
         r, w = await self._connect(min(timeout_s, 5.0))
         data = json.dumps(body).encode()
         head = f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n"
