@@ -39,13 +39,15 @@ import json
 import sys
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
 from tqdm.auto import tqdm
+
+_R = TypeVar("_R")
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -303,10 +305,9 @@ class SGLangClient:
         retry_after_send: bool = True,
         timeout_s: float | None = None,
     ) -> httpx.Response:
-        """Send with retries. ``retry_after_send=False`` retries only if the request never reached the
-        server (connect errors): for non-idempotent calls such as a weight update."""
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        """Send through httpx with :meth:`_retrying`'s retries and errors."""
+
+        async def send() -> tuple[int, httpx.Response]:
             try:
                 r = await self._http.request(
                     method,
@@ -315,20 +316,47 @@ class SGLangClient:
                     timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                last = e
+                raise ConnectionError(f"{type(e).__name__}: {e}") from e
             except _CONN_ERRORS as e:
+                raise _Dropped(f"{type(e).__name__}: {e}") from e
+            except httpx.TimeoutException as e:
+                raise TimeoutError(str(e)) from e
+            return r.status_code, r
+
+        return await self._retrying(path, send, retry_after_send, lambda r: r.text)
+
+    async def _retrying(
+        self,
+        path: str,
+        send: Callable[[], Awaitable[tuple[int, _R]]],
+        retry_after_send: bool,
+        text: Callable[[_R], str],
+    ) -> _R:
+        """Run ``send`` (one attempt, returning (status, answer)) with retries and backoff.
+
+        ``send`` raises ``OSError`` when nothing reached the server (always retried), :class:`_Dropped`
+        when the connection failed after the request was written (retried only if
+        ``retry_after_send``: a weight update must never run twice) and ``TimeoutError`` when no answer
+        came. A status >= 400 raises :class:`SGLangHTTPError` with ``text(answer)``."""
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                status, answer = await send()
+            except _Dropped as e:
                 last = e
                 if not retry_after_send:
                     raise ServerGoneError(
-                        f"SGLang server {self.url} dropped {path} mid-request "
-                        f"({type(e).__name__}: {e}); not retried (not idempotent)"
+                        f"SGLang server {self.url} dropped {path} mid-request ({e}); not retried "
+                        "(not idempotent)"
                     ) from e
-            except httpx.TimeoutException as e:
+            except TimeoutError as e:  # after the request was sent
                 raise TimeoutError(f"SGLang server {self.url}{path} did not answer within the timeout") from e
+            except OSError as e:  # could not connect: nothing was sent
+                last = e
             else:
-                if r.status_code >= 400:
-                    raise SGLangHTTPError(self.url, path, r.status_code, r.text)
-                return r
+                if status >= 400:
+                    raise SGLangHTTPError(self.url, path, status, text(answer))
+                return answer
             if attempt < self.retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise ServerGoneError(
@@ -339,47 +367,22 @@ class SGLangClient:
     async def _post(
         self, path: str, body: dict[str, Any] | None = None, *, retry_after_send: bool = True
     ) -> Any:
-        """A control call: POST a JSON body, return the decoded JSON answer (or its text).
-
-        Same errors and retries as :meth:`_request`, over :class:`_ControlConnections`."""
+        """A control call: POST a JSON body, return the decoded JSON answer (or its text), over
+        :class:`_ControlConnections` (httpx for an https server)."""
         if self._control is None:
-            r = await self._request("POST", path, body or {}, retry_after_send=retry_after_send)
-            text = r.text
+            text = (await self._request("POST", path, body or {}, retry_after_send=retry_after_send)).text
         else:
-            text = await self._control_post(path, body or {}, retry_after_send)
+            control = self._control
+
+            async def send() -> tuple[int, str]:
+                status, payload = await control.post(path, body or {}, self.timeout_s)
+                return status, payload.decode("utf-8", errors="replace")
+
+            text = await self._retrying(path, send, retry_after_send, lambda t: t)
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             return text
-
-    async def _control_post(self, path: str, body: dict[str, Any], retry_after_send: bool) -> str:
-        assert self._control is not None
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                status, payload = await self._control.post(path, body, self.timeout_s)
-            except _Dropped as e:
-                last = e
-                if not retry_after_send:
-                    raise ServerGoneError(
-                        f"SGLang server {self.url} dropped {path} mid-request ({e}); "
-                        "not retried (not idempotent)"
-                    ) from e
-            except TimeoutError as e:  # after the request was sent
-                raise TimeoutError(f"SGLang server {self.url}{path} did not answer within the timeout") from e
-            except OSError as e:  # could not connect: nothing was sent
-                last = e
-            else:
-                text = payload.decode("utf-8", errors="replace")
-                if status >= 400:
-                    raise SGLangHTTPError(self.url, path, status, text)
-                return text
-            if attempt < self.retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise ServerGoneError(
-            f"SGLang server {self.url} unreachable for {path} after {self.retries + 1} attempts "
-            f"({type(last).__name__}: {last}); is it still running?"
-        ) from last
 
     async def _get(self, path: str) -> Any:
         return (await self._request("GET", path)).json()

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -616,7 +617,7 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, scheme: Fp8Scheme) ->
         raise ValueError(f"{src} is already quantized ({cfg['quantization_config'].get('quant_method')})")
     # Several processes may write the same copy at once (each server task of a job, and the
     # trainer); each writes its own temporary directory, and the first to finish publishes it.
-    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}-{id(files)}")
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     index: dict[str, str] = {}
