@@ -22,7 +22,8 @@ One update (:meth:`DistributedWeightSynchronizer.sync`):
 
 The version is advanced only after ``end_weight_update`` succeeded. If anything fails after step 2
 the servers stay *paused* (never generating on half-updated weights) and :class:`WeightSyncError`
-says so; calling ``sync`` again with a full set of weights is safe and resumes generation.
+says so; calling ``sync`` again with a full set of weights is safe and resumes generation (after a
+:class:`WeightSyncTimeoutError`, a server that did not answer in time, through a new synchronizer).
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ class WeightSyncError(RuntimeError):
 
 class ManifestMismatchError(WeightSyncError, ValueError):
     """Tensors to send do not match the served model; nothing was sent."""
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A server did not join a broadcast or answer within ``timeout_s``: it is hung, gone or far
+    slower than the timeout allows. Its requests may still be pending in it, so recover through a
+    new synchronizer (``close()``, then ``connect()`` a fresh one), not by retrying on this group."""
 
 
 @dataclass(frozen=True)
@@ -787,25 +794,27 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         deadline = time.monotonic() + self.timeout_s
         while not (f.work.is_completed() or f.fut.done()):
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"bucket not received after {self.timeout_s}s")
+                raise WeightSyncTimeoutError(f"bucket not received after {self.timeout_s}s")
             time.sleep(0.0005)
         if not f.work.is_completed():
             # A server answered first: a refusal (it never joins), which this raises with the
             # server's answer; or the broadcast is a moment from being marked done.
             self._finish_bucket(f)
 
-    def _finish_bucket(self, f: _InFlight) -> int:
-        """Wait for every server to have loaded ``f``'s bucket; returns its bytes. Once only: a
-        bucket already checked (by :meth:`_await_joined`) is not waited on or flushed again."""
+    def _finish_bucket(self, f: _InFlight, timeout_s: float | None = None) -> int:
+        """Wait (up to ``timeout_s``, default :attr:`timeout_s`) for every server to have loaded
+        ``f``'s bucket; returns its bytes. Once only: a bucket already checked (by
+        :meth:`_await_joined`) is not waited on or flushed again."""
         if f.loaded:
             return f.bucket.nbytes
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         # Wait on the servers' answers, never blindly on the broadcast: a server answers only after
         # it has received and loaded the bucket, or with an error if it refused it (then it never
         # joins the broadcast, which would wait forever).
         try:
-            results = f.fut.result(timeout=self.timeout_s)
+            results = f.fut.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError as e:
-            raise WeightSyncError(f"bucket not loaded after {self.timeout_s}s") from e
+            raise WeightSyncTimeoutError(f"bucket not loaded after {timeout_s:g}s") from e
         except Exception as e:
             raise WeightSyncError(
                 f"a server failed the bucket: {e}; the update group is now unusable (reconnect)"
@@ -815,7 +824,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             for r in results
         ]
         if all(loaded):
-            f.work.wait(timeout=timedelta(seconds=self.timeout_s))  # done: every server received it
+            f.work.wait(timeout=timedelta(seconds=max(timeout_s, 1.0)))  # done: all received it
         for url, c, r, ok in zip(self.urls, self._clients, results, loaded, strict=True):
             if ok and not r.get("success"):
                 # Loaded, but requests were still being retracted: flush on its own, with retries.
@@ -953,7 +962,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             try:
                 ends = end.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError as e:
-                raise WeightSyncError(f"end_weight_update not answered after {self.timeout_s}s") from e
+                raise WeightSyncTimeoutError(f"end_weight_update not answered after {self.timeout_s}s") from e
             for url, r in zip(self.urls, ends, strict=True):
                 if not (isinstance(r, dict) and r.get("success")):
                     raise WeightSyncError(f"{url} end_weight_update failed: {r}")
@@ -961,14 +970,17 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             timings["end_version"] = time.perf_counter() - t
         except BaseException as e:
             if isinstance(e, Exception):
-                # Let whatever is still on its way land, so a retry's requests cannot overtake it.
-                for f in inflight:
-                    with contextlib.suppress(Exception):
-                        self._finish_bucket(f)
-            raise WeightSyncError(
+                self._drain(inflight, e)
+            timed_out = isinstance(e, TimeoutError)
+            raise (WeightSyncTimeoutError if timed_out else WeightSyncError)(
                 f"weight update to {version!r} failed after {n_buckets} buckets: {e}\n"
                 f"servers {self.urls} are left PAUSED (generation would run on partially updated weights); "
-                "call sync() again with the full weights to recover"
+                + (
+                    "a server did not answer in time: close() this synchronizer and connect() a new "
+                    "one (a server that is merely slow may still act on what was sent), then sync again"
+                    if timed_out
+                    else "call sync() again with the full weights to recover"
+                )
             ) from e
         self.version = version
         self._dirty = False
@@ -988,6 +1000,20 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             report.fp8,
         )
         return report
+
+    def _drain(self, inflight: list[_InFlight], error: Exception) -> None:
+        """After ``error``, let the buckets still on their way land, so that a retry's requests
+        cannot overtake them; all of them share one :attr:`timeout_s`.
+
+        Skipped after a timeout: the server that did not answer one bucket would most likely make
+        every drained bucket wait as long again (two in flight: the error would take three times
+        ``timeout_s`` to surface)."""
+        if isinstance(error, TimeoutError):
+            return
+        deadline = time.monotonic() + self.timeout_s
+        for f in inflight:
+            with contextlib.suppress(Exception):
+                self._finish_bucket(f, max(0.0, deadline - time.monotonic()))
 
     def _begin(self) -> None:
         async def begin(c: SGLangClient) -> Any:
@@ -1067,6 +1093,7 @@ __all__ = [
     "TensorSpec",
     "VerifyReport",
     "WeightSyncError",
+    "WeightSyncTimeoutError",
     "WeightSynchronizer",
     "broadcast_async",
     "create_update_group",

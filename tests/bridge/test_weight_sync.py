@@ -31,7 +31,9 @@ from sglang_bridge.weight_sync import (
     Manifest,
     ManifestMismatchError,
     WeightSyncError,
+    WeightSyncTimeoutError,
     _Bucket,
+    _InFlight,
     host_update_store,
 )
 
@@ -231,6 +233,101 @@ def test_refused_bucket_fails_fast_and_a_new_group_recovers(
     samples = _generate(sglang_server.url, GREEDY)
     assert {s.weight_version for s in samples} == {"v4"}
     assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v4)) < 1e-2
+
+
+def test_hung_server_times_out_once_and_a_new_group_recovers(
+    sglang_server, manifest, restore_v1: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stops mid-update (its scheduler frozen with SIGSTOP as the second bucket is
+    posted) never joins that broadcast. The sync must fail with :class:`WeightSyncTimeoutError`
+    after one timeout, without waiting for the bucket still in flight, leave the server paused on
+    the old version, and say to reconnect: a retry on the same group fails once the server resumes
+    (its end of the group was closed under the stale request), a new synchronizer recovers."""
+    v5 = _perturbed(restore_v1, seed=5)
+    scheduler = next(
+        p for p in psutil.Process(sglang_server.pid).children(recursive=True) if "scheduler" in p.name()
+    )
+    posted: list[_Bucket] = []
+    finished: list[_Bucket] = []
+    post, finish = DistributedWeightSynchronizer._post_bucket, DistributedWeightSynchronizer._finish_bucket
+
+    def freeze_after_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
+        posted.append(bucket)
+        if len(posted) == 2:  # before posting: the request then reaches a scheduler that never runs
+            scheduler.suspend()
+        return post(self, bucket, idx)
+
+    def spy_finish(self: DistributedWeightSynchronizer, f: _InFlight, *a: object) -> int:
+        finished.append(f.bucket)
+        return finish(self, f, *a)
+
+    hung = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=3)
+    hung.connect()
+    monkeypatch.setattr(DistributedWeightSynchronizer, "_post_bucket", freeze_after_second)
+    monkeypatch.setattr(DistributedWeightSynchronizer, "_finish_bucket", spy_finish)
+    try:
+        with pytest.raises(WeightSyncTimeoutError, match="PAUSED") as err:
+            hung.sync(v5, version="v5-hung")
+        assert "connect() a new one" in str(err.value)
+        assert isinstance(err.value, TimeoutError) and isinstance(err.value, WeightSyncError)
+        assert len(posted) == 2 and posted[1] not in finished  # the frozen bucket was not drained
+    finally:
+        scheduler.resume()
+        monkeypatch.undo()
+        hung.close()
+    assert asyncio.run(_version(sglang_server.url)) != "v5-hung"
+    fresh = DistributedWeightSynchronizer([sglang_server.url], manifest, bucket_size_mb=0.01, timeout_s=60)
+    fresh.connect()
+    try:
+        fresh.sync(v5, version="v5")
+    finally:
+        fresh.close()
+    samples = _generate(sglang_server.url, GREEDY)
+    assert {s.weight_version for s in samples} == {"v5"}
+    assert _max_delta(samples, load_hf(sglang_server.spec.model_path, v5)) < 1e-2
+
+
+class _CountingFuture:
+    """Stands in for a bucket's answers that never come: records each wait and advances the fake
+    clock by it instead of sleeping."""
+
+    def __init__(self, clock: list[float]):
+        self.clock = clock
+        self.waits: list[float] = []
+
+    def result(self, timeout: float) -> None:
+        import concurrent.futures
+
+        self.waits.append(timeout)
+        self.clock[0] += timeout
+        raise concurrent.futures.TimeoutError
+
+
+@pytest.mark.parametrize("error", [ValueError("refused"), WeightSyncTimeoutError("not received")])
+def test_drain_after_a_failure_shares_one_timeout_and_skips_after_a_timeout(
+    manifest: Manifest, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """Buckets still in flight after a failure are waited for (so a retry cannot overtake them)
+    within one shared ``timeout_s``, not ``timeout_s`` each; after a timeout not at all."""
+    import types
+
+    from sglang_bridge import weight_sync
+
+    clock = [100.0]
+    monkeypatch.setattr(weight_sync, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    sync = DistributedWeightSynchronizer(["http://127.0.0.1:9"], manifest, timeout_s=10)
+    try:
+        bucket = _Bucket([], torch.empty(0, dtype=torch.uint8))
+        futs = [_CountingFuture(clock) for _ in range(2)]
+        inflight = [_InFlight(bucket, i, f, None) for i, f in enumerate(futs)]  # type: ignore[arg-type]
+        sync._drain(inflight, error)
+    finally:
+        sync.close()
+    waits = [w for f in futs for w in f.waits]
+    if isinstance(error, TimeoutError):
+        assert waits == []
+    else:
+        assert waits == [10.0, 0.0]  # the first used the whole budget; none is left for the second
 
 
 def _gloo_broadcast_rank(rank: int, port: int, path: str) -> None:
