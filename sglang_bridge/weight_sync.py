@@ -1005,9 +1005,8 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         """After ``error``, let the buckets still on their way land, so that a retry's requests
         cannot overtake them; all of them share one :attr:`timeout_s`.
 
-        Skipped after a timeout: the server that did not answer one bucket would most likely make
-        every drained bucket wait as long again (two in flight: the error would take three times
-        ``timeout_s`` to surface)."""
+        Skipped after a timeout: a server that did not answer in time is not expected to answer the
+        rest, and the recovery is a new group anyway (:class:`WeightSyncTimeoutError`)."""
         if isinstance(error, TimeoutError):
             return
         deadline = time.monotonic() + self.timeout_s
