@@ -20,8 +20,9 @@ Also block-FP8 quantize throughput (the bridge's real-mode path: e4m3 + scales i
 outputs) vs a plain copy of the same input bytes, interleaved. Prints the bridge's median breakdown
 (quantize / pack run on the packing thread, overlapped with "wire"; "wait" is the part of them the
 transfer did not hide), the mean CPU seconds each path costs the trainer process and the server's
-process tree (less sensitive to other jobs than wall time on a shared machine) and the load average,
-then ``quantize efficiency: <copy time / quantize time>`` and, last, ``sync efficiency: <raw / bridge>``.
+process tree (less sensitive to other jobs than wall time on a shared machine), the server's page
+faults per transfer and the load average, then ``quantize efficiency: <copy time / quantize time>``
+and, last, ``sync efficiency: <raw / bridge>``.
 """
 
 from __future__ import annotations
@@ -94,11 +95,15 @@ def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of this process and of the server's process tree, per call.
+    """CPU seconds (user + system) of this process and of the server's process tree, and the
+    server's minor page faults, per call.
 
     On a shared machine wall times swing with other jobs' load; the CPU each side spends per sync
     does much less, and shows what the bridge costs beyond the raw transfer (quantize/pack on the
-    trainer, per-request and lifecycle work on the server)."""
+    trainer, per-request and lifecycle work on the server). The page faults show the other thing
+    that moves both sides: the server receives every request into a new buffer, which glibc takes
+    from its reused heap only up to its (dynamic, at most 32 MiB) mmap threshold; larger buffers
+    are fresh mappings, faulted and zero-filled on every transfer (see docs/bridge.md)."""
 
     def __init__(self, server_pid: int):
         root = psutil.Process(server_pid)
@@ -109,11 +114,18 @@ class CpuMeter:
     def _cpu(procs: list[psutil.Process]) -> float:
         return sum(sum(p.cpu_times()[:2]) for p in procs)
 
-    def __call__(self, fn: Callable[[], float]) -> tuple[float, float, float]:
-        """Run ``fn`` (returns its wall seconds); returns (wall, trainer cpu, server cpu)."""
-        c0, s0 = self._cpu([self.me]), self._cpu(self.server)
+    def _faults(self) -> int:
+        # minflt: the 10th field of /proc/<pid>/stat, the 8th after the parenthesised name
+        return sum(
+            int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[7]) for p in self.server
+        )
+
+    def __call__(self, fn: Callable[[], float]) -> tuple[float, float, float, int]:
+        """Run ``fn`` (returns its wall seconds); returns (wall, trainer cpu, server cpu, server
+        minor page faults)."""
+        c0, s0, f0 = self._cpu([self.me]), self._cpu(self.server), self._faults()
         wall = fn()
-        return wall, self._cpu([self.me]) - c0, self._cpu(self.server) - s0
+        return wall, self._cpu([self.me]) - c0, self._cpu(self.server) - s0, self._faults() - f0
 
 
 def bench_quantize(
@@ -210,6 +222,7 @@ def main() -> None:
             raws: list[float] = []
             reports: list[SyncReport] = []
             cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "bridge": []}
+            faults: dict[str, list[int]] = {"raw": [], "bridge": []}
 
             def timed_sync(version: str) -> float:
                 reports.append(sync.sync(named, version=version))
@@ -220,11 +233,12 @@ def main() -> None:
                 order = ("raw", "bridge") if i % 2 == 0 else ("bridge", "raw")
                 for which in order:
                     if which == "raw":
-                        wall, mine, server = meter(lambda: raw_transfer(sync, flat))
+                        wall, mine, server, nflt = meter(lambda: raw_transfer(sync, flat))
                         raws.append(wall)
                     else:
-                        _, mine, server = meter(functools.partial(timed_sync, f"bench-{i}"))
+                        _, mine, server, nflt = meter(functools.partial(timed_sync, f"bench-{i}"))
                     cpu[which].append((mine, server))
+                    faults[which].append(nflt)
                 rep = reports[-1]
                 print(
                     f"rep {i}: raw {raws[-1]:.3f}s, bridge {rep.seconds:.3f}s {rep.num_buckets} buckets "
@@ -249,6 +263,10 @@ def main() -> None:
         total[which] = mine + server
         print(f"{which + ' cpu:':<12} trainer {mine:.3f}s, server {server:.3f}s per transfer (means)")
     print(f"cpu ratio (raw / bridge, trainer + server): {total['raw'] / total['bridge']:.3f}")
+    print(
+        f"server page faults per transfer (medians): raw {median(faults['raw']):.0f}, "
+        f"bridge {median(faults['bridge']):.0f} (4 KiB each)"
+    )
     print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print(f"raw transfer: {raw_t:.3f}s ({nbytes / raw_t / 1e9:.2f} GB/s)")
     print(f"bridge sync:  {bridge_t:.3f}s ({nbytes / bridge_t / 1e9:.2f} GB/s)")
