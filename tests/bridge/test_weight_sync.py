@@ -250,15 +250,15 @@ def test_hung_server_times_out_once_and_a_new_group_recovers(
     scheduler = next(
         p for p in psutil.Process(sglang_server.pid).children(recursive=True) if "scheduler" in p.name()
     )
-    posted: list[_Bucket] = []
+    posted: list[_InFlight] = []
     finished: list[_Bucket] = []
     post, finish = DistributedWeightSynchronizer._post_bucket, DistributedWeightSynchronizer._finish_bucket
 
-    def freeze_after_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
-        posted.append(bucket)
-        if len(posted) == 2:  # before posting: the request then reaches a scheduler that never runs
+    def freeze_after_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> _InFlight:
+        if len(posted) == 1:  # before posting: the request then reaches a scheduler that never runs
             scheduler.suspend()
-        return post(self, bucket, idx)
+        posted.append(post(self, bucket, idx))
+        return posted[-1]
 
     def spy_finish(self: DistributedWeightSynchronizer, f: _InFlight, *a: object) -> int:
         finished.append(f.bucket)
@@ -272,13 +272,18 @@ def test_hung_server_times_out_once_and_a_new_group_recovers(
         try:
             with pytest.raises(WeightSyncTimeoutError, match="PAUSED") as err:
                 hung.sync(v5, version="v5-hung")
+            # The trainer's end of the frozen broadcast gives up after the group's timeout (timeout_s,
+            # like the sync's own deadline): resume the server only after that, as a hung one would.
+            for _ in range(3000):
+                if posted[-1].work.is_completed():
+                    break
+                time.sleep(0.01)
         finally:
             scheduler.resume()
             monkeypatch.undo()
         assert "connect() a new one" in str(err.value) and isinstance(err.value, TimeoutError)
-        assert len(posted) == 2 and posted[1] not in finished  # the frozen bucket was not drained
-        # Why the advice: the trainer's end of the group gave up on that broadcast after timeout_s
-        # (the group's own timeout), so the same group cannot carry a retry.
+        assert len(posted) == 2 and posted[1].bucket not in finished  # the frozen bucket: not drained
+        # Why the advice: with that broadcast given up, the same group cannot carry a retry.
         with pytest.raises(WeightSyncError, match="PAUSED"):
             hung.sync(v5, version="v5-same-group")
     finally:
