@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import json
 import os
 import re
@@ -647,19 +648,25 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, scheme: Fp8Scheme) ->
 def served_fp8_checkpoint(model_dir: str | Path, root: str | Path, scheme: Fp8Scheme) -> Path:
     """The checkpoint a real FP8 server serves for the bf16 ``model_dir``: ``model_dir`` itself if it
     is already FP8-serialized, else its FP8 copy under ``root`` in ``scheme`` (written by
-    :func:`write_fp8_checkpoint` once, then reused; its name states the scheme)."""
-    import json
-
+    :func:`write_fp8_checkpoint` once, then reused; its name states the scheme, and a copy found
+    there whose ``quantization_config`` is not ``scheme``'s is refused rather than served)."""
     model_dir = Path(model_dir)
     if json.loads((model_dir / "config.json").read_text()).get("quantization_config"):
         return model_dir
     tag = {"block": "block{}x{}".format(*scheme.block_size)}.get(scheme.granularity, scheme.granularity)
     tag += "-ue8m0" if scheme.ue8m0 else ""
-    tag += f"-ignore{len(scheme.ignored)}" if scheme.ignored else ""
+    if scheme.ignored:  # which layers, not only how many: two lists of one length are two copies
+        tag += "-ignore-" + hashlib.sha1("\n".join(sorted(scheme.ignored)).encode()).hexdigest()[:8]
     dst = Path(root) / f"{model_dir.name}-fp8-{tag}"
-    if (dst / "config.json").exists():
-        return dst
-    return write_fp8_checkpoint(model_dir, dst, scheme)
+    if not (dst / "config.json").exists():
+        return write_fp8_checkpoint(model_dir, dst, scheme)
+    found = json.loads((dst / "config.json").read_text()).get("quantization_config")
+    if found != fp8_quantization_config(scheme):
+        raise ValueError(
+            f"{dst} holds an FP8 copy with quantization_config {found}, not the rollout's "
+            f"{fp8_quantization_config(scheme)}: delete it (it is rewritten from {model_dir})"
+        )
+    return dst
 
 
 # -- stress emulation (the study's "truncated FP8"): harsher than any production FP8 recipe ---------

@@ -114,6 +114,16 @@ def test_served_copy_is_written_once_and_named_by_its_scheme(tiny_ckpt: Path, tm
     assert (dst / "config.json").stat().st_mtime_ns == mtime
     other = served_fp8_checkpoint(tiny_ckpt, tmp_path, Fp8Scheme("per_tensor", ue8m0=True))
     assert other.name == f"{tiny_ckpt.name}-fp8-per_tensor-ue8m0"
+    # Ignored layers name the copy by which layers they are, so a different list is another copy.
+    ignore_a = served_fp8_checkpoint(tiny_ckpt, tmp_path, Fp8Scheme("per_tensor", ignored=("layers.0.",)))
+    ignore_b = served_fp8_checkpoint(tiny_ckpt, tmp_path, Fp8Scheme("per_tensor", ignored=("layers.1.",)))
+    assert ignore_a != ignore_b
+    # A copy under the expected name that holds another scheme is refused, not served.
+    (other / "config.json").write_text(
+        (dst / "config.json").read_text()  # block 128x128's quantization_config
+    )
+    with pytest.raises(ValueError, match="delete it"):
+        served_fp8_checkpoint(tiny_ckpt, tmp_path, Fp8Scheme("per_tensor", ue8m0=True))
     # An FP8 checkpoint is served as it is; quantizing it again is refused.
     assert served_fp8_checkpoint(dst, tmp_path / "again", scheme) == dst
     with pytest.raises(ValueError, match="already quantized"):
