@@ -1,8 +1,9 @@
 """Weight-sync throughput of the bridge vs a raw transfer of the same bytes, on the same group, same run.
 
     python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 15 --bucket-mb 512 --first-bucket-mb 32]
+                                     [--placements shared,split]
 
-Starts one real SGLang server (CPU: bf16, so FP8 is fake-quant, block 128x128) on a locally built
+Starts a real SGLang server (CPU: bf16, so FP8 is fake-quant, block 128x128) on a locally built
 model, connects a :class:`DistributedWeightSynchronizer`, and measures, interleaved (the order flips
 every rep), median of ``reps``:
 
@@ -16,23 +17,35 @@ every rep), median of ``reps``:
           pause -> begin -> buckets (the last one flushes the radix cache) -> end -> version ->
           continue.
 
+Each placement gets its own server and its own interleaved reps; the last one is the goal figure:
+
+* ``shared``: server and trainer may run on every core. On a 2-core machine the bridge's packing
+  thread then takes the server's core mid-transfer (no GPU deployment has this contention: there the
+  packing runs on the trainer's GPU and the transfer into the rollout GPU costs no server CPU);
+* ``split`` (default goal): the server runs on the last core (``ServerSpec.cpus``, the CPU
+  counterpart of its own GPU) and the trainer on the others, so each side's work competes only with
+  its own, as on GPU nodes. Both paths run under the same placement.
+
 Also block-FP8 quantize throughput (the bridge's real-mode path: e4m3 + scales into preallocated
-outputs) vs a plain copy of the same input bytes, interleaved. Prints the bridge's median breakdown
-(quantize / pack run on the packing thread, overlapped with "wire"; "wait" is the part of them the
-transfer did not hide), the mean CPU seconds each path costs the trainer process and the server's
-process tree (less sensitive to other jobs than wall time on a shared machine), the server's page
-faults per transfer and the load average, then ``quantize efficiency: <copy time / quantize time>``
-and, last, ``sync efficiency: <raw / bridge>``.
+outputs) vs a plain copy of the same input bytes, interleaved. Prints, per placement, the bridge's
+median breakdown (quantize / pack run on the packing thread, overlapped with "wire"; "wait" is the
+part of them the transfer did not hide), the mean CPU seconds each path costs the trainer process
+and the server's process tree (less sensitive to other jobs than wall time on a shared machine),
+the server's page faults per transfer; then the load average, ``shared-core sync efficiency``,
+``quantize efficiency: <copy time / quantize time>`` and, last, ``sync efficiency: <raw / bridge>``
+of the last placement.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from statistics import median
@@ -161,6 +174,146 @@ def bench_quantize(
     return qs[1:], cs[1:], fs[1:], nbytes
 
 
+@dataclass
+class SyncResult:
+    """One placement's interleaved measurement: raw transfer seconds and bridge reports per rep, the
+    CPU seconds (trainer, server) and server page faults of each."""
+
+    nbytes: int
+    raws: list[float] = field(default_factory=list)
+    reports: list[SyncReport] = field(default_factory=list)
+    cpu: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"raw": [], "bridge": []})
+    faults: dict[str, list[int]] = field(default_factory=lambda: {"raw": [], "bridge": []})
+
+    @property
+    def efficiency(self) -> float:
+        return median(self.raws) / median(r.seconds for r in self.reports)
+
+
+def split_cores(placement: str) -> tuple[tuple[int, ...] | None, set[int] | None]:
+    """(server cores, trainer cores) of a placement: ``split`` gives the server the last of this
+    process's cores and the trainer the others, as on GPU nodes where the trainer and the rollout
+    engine have their own devices; ``shared`` lets both run anywhere."""
+    mine = sorted(os.sched_getaffinity(0))
+    if placement == "shared":
+        return None, None
+    if placement != "split":
+        raise SystemExit(f"--placements: unknown placement {placement!r}; use split and/or shared")
+    if len(mine) < 2:
+        raise SystemExit(f"--placements split needs 2 cores, this process has {mine}; use shared")
+    return (mine[-1],), set(mine[:-1])
+
+
+def bind_threads(cores: set[int]) -> None:
+    """Bind every thread of this process (threads made later inherit it from their creator)."""
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cores)
+
+
+def measure_sync(
+    ckpt: Path,
+    manifest: Manifest,
+    named: dict[str, torch.Tensor],
+    scheme: Fp8Scheme,
+    args: argparse.Namespace,
+    placement: str,
+    work: Path,
+) -> SyncResult:
+    """Start a server under ``placement`` and time raw transfers and bridge syncs, interleaved."""
+    server_cpus, trainer_cpus = split_cores(placement)
+    everything = os.sched_getaffinity(0)
+    spec = ServerSpec(model_path=str(ckpt), device="cpu", cpus=server_cpus)
+    with SGLangServer(spec, work / f"sglang-{placement}.log", startup_timeout_s=900) as srv:
+        if trainer_cpus is not None:
+            bind_threads(trainer_cpus)  # before connect(): gloo's threads inherit it
+        sync = DistributedWeightSynchronizer(
+            [srv.url],
+            manifest,
+            fp8=scheme,
+            fp8_mode="fake",
+            bucket_size_mb=args.bucket_mb,
+            first_bucket_mb=args.first_bucket_mb,
+            timeout_s=120,
+        )
+        sync.connect()
+        try:
+            # The raw path sends exactly the bytes the bridge sends (fake-quant keeps names and dtypes),
+            # pre-flattened once outside the timing.
+            sent = list(quantize_named_tensors(named.items(), scheme, mode="fake"))
+            nbytes = sum(t.numel() * t.element_size() for _, t in sent)
+            flat = _Bucket(sent, torch.empty(nbytes, dtype=torch.uint8))
+            warm = sync.sync(named, version="warmup")
+            assert warm.num_bytes == nbytes, (warm.num_bytes, nbytes)  # same bytes on the wire
+            raw_transfer(sync, flat)
+            assert srv.pid is not None
+            meter = CpuMeter(srv.pid)
+            res = SyncResult(nbytes)
+
+            def timed_sync(version: str) -> float:
+                res.reports.append(sync.sync(named, version=version))
+                return res.reports[-1].seconds
+
+            for i in range(args.reps):
+                # Interleaved, and the order flips every rep so neither side always runs second.
+                order = ("raw", "bridge") if i % 2 == 0 else ("bridge", "raw")
+                for which in order:
+                    if which == "raw":
+                        wall, mine, server, nflt = meter(lambda: raw_transfer(sync, flat))
+                        res.raws.append(wall)
+                    else:
+                        _, mine, server, nflt = meter(functools.partial(timed_sync, f"bench-{i}"))
+                    res.cpu[which].append((mine, server))
+                    res.faults[which].append(nflt)
+                rep = res.reports[-1]
+                print(
+                    f"[{placement}] rep {i}: raw {res.raws[-1]:.3f}s, bridge {rep.seconds:.3f}s "
+                    f"{rep.num_buckets} buckets fp8={rep.fp8} "
+                    + " ".join(f"{k}={v:.3f}" for k, v in rep.timings.items())
+                )
+        finally:
+            sync.close()
+            bind_threads(everything)
+    return res
+
+
+def report_sync(placement: str, res: SyncResult, reps: int) -> None:
+    """The placement's summary lines (its efficiency line is printed by main, goal last)."""
+    server_cpus, trainer_cpus = split_cores(placement)
+    where = (
+        f"server on core {server_cpus[0]}, trainer on {sorted(trainer_cpus)}"
+        if server_cpus and trainer_cpus
+        else "server and trainer share every core"
+    )
+    raw_t = median(res.raws)
+    bridge_t = median(r.seconds for r in res.reports)
+    last = res.reports[-1]
+    print(f"== placement {placement}: {where}")
+    print(
+        f"model: {last.num_tensors} tensors, {res.nbytes / 1e6:.1f} MB sent per sync, "
+        f"{last.num_buckets} buckets"
+    )
+    print(f"bridge breakdown (medians of {reps}; quantize/pack run on the packing thread, overlapped):")
+    for key in last.timings:
+        print(f"  {key:<12} {median([r.timings[key] for r in res.reports]):.4f}s")
+    total: dict[str, float] = {}
+    for which in ("raw", "bridge"):
+        # Means: CPU times tick in 10 ms steps, a median of them would round to the tick.
+        mine = sum(c[0] for c in res.cpu[which]) / len(res.cpu[which])
+        server = sum(c[1] for c in res.cpu[which]) / len(res.cpu[which])
+        total[which] = mine + server
+        print(f"{which + ' cpu:':<12} trainer {mine:.3f}s, server {server:.3f}s per transfer (means)")
+    print(f"cpu ratio (raw / bridge, trainer + server): {total['raw'] / total['bridge']:.3f}")
+    print(
+        f"server page faults per transfer (medians): raw {median(res.faults['raw']):.0f}, "
+        f"bridge {median(res.faults['bridge']):.0f} (4 KiB each)"
+    )
+    print(f"raw transfer: {raw_t:.3f}s ({res.nbytes / raw_t / 1e9:.2f} GB/s)")
+    print(f"bridge sync:  {bridge_t:.3f}s ({res.nbytes / bridge_t / 1e9:.2f} GB/s)")
+    ratios = [r / b.seconds for r, b in zip(res.raws, res.reports, strict=True)]
+    print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -169,8 +322,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--bucket-mb", type=float, default=512, help="the bridge's largest bucket")
     ap.add_argument("--first-bucket-mb", type=float, default=32, help="the bridge's first bucket")
+    ap.add_argument(
+        "--placements",
+        default="shared,split",
+        help="comma-separated, each measured with its own server, the last one is the goal figure: "
+        "split (the server on the last core, the trainer on the others: each side on its own cores, "
+        "as on GPU nodes where trainer and rollout have their own devices) and/or shared (both on "
+        "every core: the bridge's packing then competes with the server for it)",
+    )
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    for p in placements:
+        split_cores(p)  # a bad placement fails before the model is built
     torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit
     load0 = os.getloadavg()[0]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
@@ -196,83 +360,14 @@ def main() -> None:
         f"fake-quant {f_t:.4f}s ({q_bytes / f_t / 1e9:.2f} GB/s)  [medians of {args.reps}]"
     )
 
-    spec = ServerSpec(model_path=str(ckpt), device="cpu")
-    with SGLangServer(spec, work / "sglang.log", startup_timeout_s=900) as srv:  # shared, loaded CPUs
-        sync = DistributedWeightSynchronizer(
-            [srv.url],
-            manifest,
-            fp8=scheme,
-            fp8_mode="fake",
-            bucket_size_mb=args.bucket_mb,
-            first_bucket_mb=args.first_bucket_mb,
-            timeout_s=120,
-        )
-        sync.connect()
-        try:
-            # The raw path sends exactly the bytes the bridge sends (fake-quant keeps names and dtypes),
-            # pre-flattened once outside the timing.
-            sent = list(quantize_named_tensors(named.items(), scheme, mode="fake"))
-            nbytes = sum(t.numel() * t.element_size() for _, t in sent)
-            flat = _Bucket(sent, torch.empty(nbytes, dtype=torch.uint8))
-            warm = sync.sync(named, version="warmup")
-            assert warm.num_bytes == nbytes, (warm.num_bytes, nbytes)  # same bytes on the wire
-            raw_transfer(sync, flat)
-            assert srv.pid is not None
-            meter = CpuMeter(srv.pid)
-            raws: list[float] = []
-            reports: list[SyncReport] = []
-            cpu: dict[str, list[tuple[float, float]]] = {"raw": [], "bridge": []}
-            faults: dict[str, list[int]] = {"raw": [], "bridge": []}
-
-            def timed_sync(version: str) -> float:
-                reports.append(sync.sync(named, version=version))
-                return reports[-1].seconds
-
-            for i in range(args.reps):
-                # Interleaved, and the order flips every rep so neither side always runs second.
-                order = ("raw", "bridge") if i % 2 == 0 else ("bridge", "raw")
-                for which in order:
-                    if which == "raw":
-                        wall, mine, server, nflt = meter(lambda: raw_transfer(sync, flat))
-                        raws.append(wall)
-                    else:
-                        _, mine, server, nflt = meter(functools.partial(timed_sync, f"bench-{i}"))
-                    cpu[which].append((mine, server))
-                    faults[which].append(nflt)
-                rep = reports[-1]
-                print(
-                    f"rep {i}: raw {raws[-1]:.3f}s, bridge {rep.seconds:.3f}s {rep.num_buckets} buckets "
-                    f"fp8={rep.fp8} " + " ".join(f"{k}={v:.3f}" for k, v in rep.timings.items())
-                )
-        finally:
-            sync.close()
-    raw_t = median(raws)
-    bridge_t = median([r.seconds for r in reports])
-    ratios = [r / b.seconds for r, b in zip(raws, reports, strict=True)]
-    print(
-        f"model: {len(named)} tensors, {nbytes / 1e6:.1f} MB sent per sync, {reports[-1].num_buckets} buckets"
-    )
-    print(f"bridge breakdown (medians of {args.reps}; quantize/pack run on the packing thread, overlapped):")
-    for key in reports[-1].timings:
-        print(f"  {key:<12} {median([r.timings[key] for r in reports]):.4f}s")
-    total: dict[str, float] = {}
-    for which in ("raw", "bridge"):
-        # Means: CPU times tick in 10 ms steps, a median of them would round to the tick.
-        mine = sum(c[0] for c in cpu[which]) / len(cpu[which])
-        server = sum(c[1] for c in cpu[which]) / len(cpu[which])
-        total[which] = mine + server
-        print(f"{which + ' cpu:':<12} trainer {mine:.3f}s, server {server:.3f}s per transfer (means)")
-    print(f"cpu ratio (raw / bridge, trainer + server): {total['raw'] / total['bridge']:.3f}")
-    print(
-        f"server page faults per transfer (medians): raw {median(faults['raw']):.0f}, "
-        f"bridge {median(faults['bridge']):.0f} (4 KiB each)"
-    )
+    results = {p: measure_sync(ckpt, manifest, named, scheme, args, p, work) for p in placements}
+    for p, res in results.items():
+        report_sync(p, res, args.reps)
     print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
-    print(f"raw transfer: {raw_t:.3f}s ({nbytes / raw_t / 1e9:.2f} GB/s)")
-    print(f"bridge sync:  {bridge_t:.3f}s ({nbytes / bridge_t / 1e9:.2f} GB/s)")
-    print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
+    for p in placements[:-1]:
+        print(f"{p}-core sync efficiency: {results[p].efficiency:.3f}")
     print(f"quantize efficiency: {median([c / q for c, q in zip(cs, qs, strict=True)]):.3f}")
-    print(f"sync efficiency: {raw_t / bridge_t:.3f}")
+    print(f"sync efficiency: {results[placements[-1]].efficiency:.3f}")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,14 @@ def plan_job(
         )
 
     G = gpus_per_node
+    if r.server_cpus and (n_srv == 0 or nodes > 1 or G > 0 or servers_in_job):
+        errors.append(
+            (
+                "rollout.server_cpus",
+                "binds only the servers the driver starts itself (a one-node CPU job); the job script's "
+                "server step is bound by SLURM: set it to []",
+            )
+        )
     if G and srv_tp > G:
         errors.append(
             (

@@ -280,6 +280,13 @@ class RolloutConfig(_Section):
     """Port of the first server (server k listens on base_port + k); None picks free ports, so
     several runs on one machine never talk to each other's servers."""
 
+    server_cpus: tuple[int, ...] = ()
+    """CPU cores of the servers the driver starts itself, split evenly among them in order (server k
+    runs on the k-th slice; the CPU counterpart of giving each server its own GPUs); empty: every
+    core, shared with the trainer. Keep the trainer off these cores (``taskset``), or its work
+    competes with the servers': on 2 cores the weight sync's FP8 packing then takes the server's
+    core mid-transfer (docs/bridge.md). Servers started by a multi-node job are bound by SLURM."""
+
     server_urls: tuple[str, ...] = ()
     """URLs of SGLang servers already running (multi-node launch scripts start them on their own
     nodes); empty means the driver starts num_servers local servers itself."""
@@ -424,7 +431,36 @@ class RolloutConfig(_Section):
                 f"server_urls[{i}]",
                 f"must be an http(s) URL like http://node1:30000, got {url!r}",
             )
+        if self.server_cpus:
+            cpus = self.server_cpus
+            _check(
+                e,
+                all(isinstance(c, int) and c >= 0 for c in cpus) and len(set(cpus)) == len(cpus),
+                "server_cpus",
+                f"must be distinct core numbers >= 0, got {list(cpus)}",
+            )
+            _check(
+                e,
+                len(cpus) % self.num_servers == 0 if self.num_servers >= 1 else True,
+                "server_cpus",
+                f"{len(cpus)} cores do not split evenly among num_servers={self.num_servers}; "
+                f"give a multiple of {self.num_servers} cores or [] to share every core",
+            )
+            _check(
+                e,
+                not self.server_urls,
+                "server_cpus",
+                "binds only servers the driver starts itself; servers at server_urls are started "
+                "(and bound) elsewhere: set it to []",
+            )
         return e
+
+    def cpus_of_server(self, k: int) -> tuple[int, ...] | None:
+        """The cores of server ``k`` (its slice of :attr:`server_cpus`); None when they are shared."""
+        if not self.server_cpus:
+            return None
+        n = len(self.server_cpus) // self.num_servers
+        return self.server_cpus[k * n : (k + 1) * n]
 
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "ppo"]

@@ -161,6 +161,7 @@ class RolloutEngine:
             host=r.host,
             port=r.base_port + i if r.base_port else None,
             tp=r.server_tp,
+            cpus=r.cpus_of_server(i),
             api_key=self.api_key,
             random_seed=self.cfg.training.seed + i,
             return_routed_experts=routed_experts_topk(self.cfg) is not None,

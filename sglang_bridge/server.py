@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -78,6 +78,13 @@ class ServerSpec:
     gpu_ids: tuple[int, ...] | None = None
     """CUDA devices of this server (CUDA_VISIBLE_DEVICES); None leaves the environment's choice."""
 
+    cpus: tuple[int, ...] | None = None
+    """CPU cores this server's processes run on (the CPU counterpart of ``gpu_ids``): set as the
+    child's affinity before SGLang starts, so every thread and sub-process it creates inherits it and
+    its OpenMP pool is sized to these cores. None: the cores of the parent. A server that shares
+    cores with the trainer competes with it: in ``benchmarks/weight_sync.py`` on 2 cores the
+    bridge's FP8 packing thread then takes the server's core mid-transfer (docs/bridge.md)."""
+
     dtype: str = "bfloat16"
     """Activation/weight dtype of the served model."""
 
@@ -119,6 +126,28 @@ class ServerSpec:
 
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     """Further environment variables of the server process."""
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None and (
+            not self.cpus
+            or len(set(self.cpus)) != len(self.cpus)
+            or not all(isinstance(c, int) and c >= 0 for c in self.cpus)
+        ):
+            raise ValueError(
+                f"ServerSpec.cpus={self.cpus!r}: give distinct core numbers (e.g. (1,) or (2, 3)), "
+                "or None to run on the parent's cores"
+            )
+
+    def check_cpus(self) -> None:
+        """Raise ValueError naming the cores of :attr:`cpus` this host does not have."""
+        if self.cpus is None:
+            return
+        n = os.cpu_count() or 1
+        if missing := sorted(c for c in self.cpus if c >= n):
+            raise ValueError(
+                f"ServerSpec.cpus: cores {missing} do not exist on this host (cores 0-{n - 1}); "
+                "pick cores from that range"
+            )
 
     def command(self, port: int) -> list[str]:
         """The launch command line for this spec on ``port``."""
@@ -231,6 +260,20 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
 
 
+def _preexec(die_with_parent: bool, cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
+    """What the child runs between fork and exec: PDEATHSIG and / or its CPU affinity."""
+    if not die_with_parent and cpus is None:
+        return None
+
+    def run() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)  # before exec: inherited by every thread and child
+        if die_with_parent:
+            _die_with_parent()
+
+    return run
+
+
 class SGLangServer:
     """One SGLang server child process; a context manager that starts it and always stops it."""
 
@@ -269,6 +312,7 @@ class SGLangServer:
         """Spawn the process (returns at once; see :meth:`wait_healthy`)."""
         if self._proc is not None:
             raise RuntimeError(f"{self.name}: already launched (pid {self._proc.pid})")
+        self.spec.check_cpus()
         model = Path(self.spec.model_path)
         if (model.is_absolute() or self.spec.model_path.startswith(".")) and not (
             model / "config.json"
@@ -288,10 +332,9 @@ class SGLangServer:
             self._log_file.write(f"# {HOOKS_ENV}={env[HOOKS_ENV]}\n".encode())
         self._log_start = self.log_path.stat().st_size  # this launch's part of the log starts here
         # PDEATHSIG fires when the *thread* that forked exits, so only use it from the main thread.
-        preexec = (
-            _die_with_parent
-            if (sys.platform == "linux" and threading.current_thread() is threading.main_thread())
-            else None
+        preexec = _preexec(
+            sys.platform == "linux" and threading.current_thread() is threading.main_thread(),
+            self.spec.cpus,
         )
         self._proc = subprocess.Popen(
             self.spec.command(self.port),

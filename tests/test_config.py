@@ -101,11 +101,24 @@ def test_bad_choice_suggests_valid_one():
         (["rollout.max_new_tokens=1000"], "rollout.max_new_tokens", "max_position_embeddings"),
         (["task.name=gsm8k"], "task.data_path", "needs data_path"),
         (["parallel.vpp=2"], "parallel.vpp", "pp >= 2"),
+        (["rollout.server_cpus=[1,1]"], "rollout.server_cpus", "distinct core numbers"),
+        (["rollout.num_servers=2", "rollout.server_cpus=[0,1,2]"], "rollout.server_cpus", "split evenly"),
+        (
+            ["rollout.server_cpus=[1]", "rollout.server_urls=[http://a:1]"],
+            "rollout.server_cpus",
+            "started (and bound) elsewhere",
+        ),
     ],
 )
 def test_out_of_range_values(override, key, words):
     msg = error_of(load_config, None, override)
     assert key in msg and words in msg
+
+
+def test_server_cpus_are_split_among_the_servers():
+    r = load_config(None, ["rollout.num_servers=2", "rollout.server_cpus=[4,5,6,7]"]).rollout
+    assert [r.cpus_of_server(k) for k in (0, 1)] == [(4, 5), (6, 7)]
+    assert load_config(None, []).rollout.cpus_of_server(0) is None  # shared with the trainer
 
 
 def test_moe_cross_checks():

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
+import psutil
 import pytest
 from bridge_helpers import PROMPTS, hf_logprobs, load_hf
 
@@ -99,4 +101,43 @@ def test_start_failure_names_server_and_shows_log(tmp_path: Path, tiny_ckpt: Pat
         with srv:
             pass
     assert "--no-such-flag" in str(info.value)  # the log tail says what went wrong
+    assert not srv.alive()
+
+
+def test_server_cpus_bind_every_process_and_thread(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """``ServerSpec.cpus`` is the child's affinity from before SGLang starts: every process and thread
+    of the server's tree runs on those cores (threads made later inherit it), and it serves."""
+    core = (os.cpu_count() or 1) - 1
+    mine = os.sched_getaffinity(0)
+    spec = ServerSpec(model_path=str(tiny_ckpt), device="cpu", cpus=(core,))
+    with SGLangServer(spec, tmp_path / "pinned.log", startup_timeout_s=240) as srv:
+        assert srv.pid is not None
+        root = psutil.Process(srv.pid)
+        procs = [root, *root.children(recursive=True)]
+        assert len(procs) >= 3  # the HTTP server, the scheduler and the detokenizer
+        tids = [int(t.name) for p in procs for t in Path(f"/proc/{p.pid}/task").iterdir()]
+        assert {tid: os.sched_getaffinity(tid) for tid in tids} == {tid: {core} for tid in tids}
+
+        async def go() -> None:
+            async with SGLangClient(srv.url, timeout_s=120) as c:
+                out = await c.generate_one(
+                    PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+                )
+                assert len(out.output_ids) == 4 and len(out.logprobs) == 4
+
+        asyncio.run(go())
+        # Threads SGLang started for that request (if any) were made on the core too.
+        tids = [int(t.name) for p in procs for t in Path(f"/proc/{p.pid}/task").iterdir()]
+        assert all(os.sched_getaffinity(tid) == {core} for tid in tids)
+    assert os.sched_getaffinity(0) == mine  # only the child was bound
+
+
+def test_server_cpus_are_checked_before_launch(tmp_path: Path) -> None:
+    for bad in ((), (0, 0), (-1,)):
+        with pytest.raises(ValueError, match=r"ServerSpec.cpus=.*distinct core numbers"):
+            ServerSpec(model_path="m", cpus=bad)
+    n = os.cpu_count() or 1
+    srv = SGLangServer(ServerSpec(model_path="m", cpus=(0, n)), tmp_path / "x.log")
+    with pytest.raises(ValueError, match=rf"cores \[{n}\] do not exist on this host \(cores 0-{n - 1}\)"):
+        srv.launch()
     assert not srv.alive()
