@@ -336,15 +336,24 @@ class SGLangServer:
             sys.platform == "linux" and threading.current_thread() is threading.main_thread(),
             self.spec.cpus,
         )
-        self._proc = subprocess.Popen(
-            self.spec.command(self.port),
-            env=env,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                self.spec.command(self.port),
+                env=env,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        except subprocess.SubprocessError as e:  # the child's preexec failed: nothing was started
+            self._log_file.close()
+            self._log_file = None
+            raise ServerStartError(
+                f"{self.name}: could not bind the server to cores {list(self.spec.cpus or ())} "
+                f"(ServerSpec.cpus / rollout.server_cpus): {e} The host or this job's cpuset does not "
+                "allow them; pick cores this job may use (see /sys/fs/cgroup/cpuset.cpus.effective)"
+            ) from e
         with _LIVE_LOCK:
             _LIVE.add(self)
         return self

@@ -132,6 +132,21 @@ def test_server_cpus_bind_every_process_and_thread(tmp_path: Path, tiny_ckpt: Pa
     assert os.sched_getaffinity(0) == mine  # only the child was bound
 
 
+def test_server_cpus_the_child_cannot_take_fail_with_the_field_named(
+    tmp_path: Path, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(pid: int, cpus: object) -> None:  # what a cpuset that excludes the cores answers
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)  # the forked child runs the patched copy
+    srv = SGLangServer(ServerSpec(model_path=str(tiny_ckpt), cpus=(0,)), tmp_path / "x.log", name="s")
+    with pytest.raises(
+        ServerStartError, match=r"s:\d+: could not bind the server to cores \[0\] \(ServerSpec.cpus"
+    ):
+        srv.launch()
+    assert not srv.alive()
+
+
 def test_server_cpus_are_checked_before_launch(tmp_path: Path) -> None:
     for bad in ((), (0, 0), (-1,)):
         with pytest.raises(ValueError, match=r"ServerSpec.cpus=.*distinct core numbers"):
