@@ -101,7 +101,7 @@ def plan_job(
             (
                 "rollout.server_cpus",
                 "binds only the servers the driver starts itself (a one-node CPU job); the job script's "
-                "server step is bound by SLURM: set it to []",
+                "server step gets its CPUs from SLURM (--cpus-per-task, --exact): set it to []",
             )
         )
     if G and srv_tp > G:

@@ -285,7 +285,7 @@ class RolloutConfig(_Section):
     runs on the k-th slice; the CPU counterpart of giving each server its own GPUs); empty: every
     core, shared with the trainer. Keep the trainer off these cores (``taskset``), or its work
     competes with the servers': on 2 cores the weight sync's FP8 packing then takes the server's
-    core mid-transfer (docs/bridge.md). Servers started by a multi-node job are bound by SLURM."""
+    core mid-transfer (docs/bridge.md). A job script's server step gets its CPUs from SLURM instead."""
 
     server_urls: tuple[str, ...] = ()
     """URLs of SGLang servers already running (multi-node launch scripts start them on their own

@@ -58,7 +58,7 @@ def test_cpu_single_node_driver_starts_its_own_server():
 def test_cpu_single_node_driver_may_bind_its_servers():
     cfg = load_config(TINY, ["rollout.server_cpus=[1]"])
     assert plan_job(cfg, nodes=1, gpus_per_node=0, ranks_per_node=1).server_mode == "driver"
-    with pytest.raises(ConfigError, match="bound by SLURM"):
+    with pytest.raises(ConfigError, match="gets its CPUs from SLURM"):
         plan_job(cfg, nodes=1, gpus_per_node=0, ranks_per_node=1, servers_in_job=True)
 
 
@@ -84,8 +84,8 @@ def test_cpu_multi_node_dedicated():
         (["parallel.pp=7"], 2, 8, "use a multiple of tp*pp=28"),
         (["model.hf_path=null"], 2, 8, "model.hf_path"),
         (["rollout.server_urls=[http://a:1]"], 2, 8, "filled in by the job script"),
-        (["rollout.server_cpus=[0,1,2,3]"], 2, 8, "bound by SLURM"),
-        (["rollout.server_cpus=[0,1,2,3]"], 1, 8, "bound by SLURM"),
+        (["rollout.server_cpus=[0,1,2,3]"], 2, 8, "gets its CPUs from SLURM"),
+        (["rollout.server_cpus=[0,1,2,3]"], 1, 8, "gets its CPUs from SLURM"),
     ],
 )
 def test_bad_layouts_are_rejected_with_the_fix(overrides, nodes, gpus, message):
