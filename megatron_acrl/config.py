@@ -283,9 +283,9 @@ class RolloutConfig(_Section):
     server_cpus: tuple[int, ...] = ()
     """CPU cores of the servers the driver starts itself, split evenly among them in order (server k
     runs on the k-th slice; the CPU counterpart of giving each server its own GPUs); empty: every
-    core, shared with the trainer. Keep the trainer off these cores (``taskset``), or its work
-    competes with the servers': on 2 cores the weight sync's FP8 packing then takes the server's
-    core mid-transfer (docs/bridge.md). A job script's server step gets its CPUs from SLURM instead."""
+    core, shared with the trainer (right for a small machine, where the two take turns). Keep the
+    trainer off these cores (``taskset``), or its work during a weight sync (FP8 packing) competes
+    with the servers' (docs/bridge.md). A job script's server step gets its CPUs from SLURM instead."""
 
     server_urls: tuple[str, ...] = ()
     """URLs of SGLang servers already running (multi-node launch scripts start them on their own

@@ -81,9 +81,9 @@ class ServerSpec:
     cpus: tuple[int, ...] | None = None
     """CPU cores this server's processes run on (the CPU counterpart of ``gpu_ids``): set as the
     child's affinity before SGLang starts, so every thread and sub-process it creates inherits it and
-    its OpenMP pool is sized to these cores. None: the cores of the parent. A server that shares
-    cores with the trainer competes with it: in ``benchmarks/weight_sync.py`` on 2 cores the
-    bridge's FP8 packing thread then takes the server's core mid-transfer (docs/bridge.md)."""
+    its OpenMP pool is sized to these cores. None: the cores of the parent, shared with the trainer,
+    whose work during a weight sync (FP8 packing) then competes with the server's for them
+    (docs/bridge.md, "Where a CPU server runs")."""
 
     dtype: str = "bfloat16"
     """Activation/weight dtype of the served model."""
