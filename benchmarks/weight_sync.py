@@ -19,9 +19,10 @@ every rep), median of ``reps``:
 
 Each placement gets its own server and its own interleaved reps; the last one is the goal figure:
 
-* ``shared``: server and trainer may run on every core. On a 2-core machine the bridge's packing
-  thread then takes the server's core mid-transfer (no GPU deployment has this contention: there the
-  packing runs on the trainer's GPU and the transfer into the rollout GPU costs no server CPU);
+* ``shared``: server and trainer may run on every core. On a 2-core machine the raw transfer then
+  has the server receive and load on both cores, and the bridge's packing thread competes with it
+  for them (no GPU deployment has this contention: there the packing runs on the trainer's GPU and
+  the transfer into the rollout GPU costs no server CPU);
 * ``split`` (default goal): the server runs on the last core (``ServerSpec.cpus``, the CPU
   counterpart of its own GPU) and the trainer on the others, so each side's work competes only with
   its own, as on GPU nodes. Both paths run under the same placement.
@@ -333,6 +334,8 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    if not placements or len(set(placements)) != len(placements):
+        raise SystemExit(f"--placements {args.placements!r}: give split and/or shared, each once")
     for p in placements:
         split_cores(p)  # a bad placement fails before the model is built
     torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit

@@ -43,14 +43,22 @@ def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_pa
     assert (tmp_path / "sglang-split.log").is_file() and (tmp_path / "sglang-shared.log").is_file()
 
 
-def test_benchmark_refuses_an_unknown_placement(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("placements", "message"),
+    [
+        ("split,nope", "--placements: unknown placement 'nope'; use split and/or shared"),
+        ("split,split", "--placements 'split,split': give split and/or shared, each once"),
+        (",", "--placements ',': give split and/or shared, each once"),
+    ],
+)
+def test_benchmark_refuses_bad_placements(tmp_path: Path, placements: str, message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--work-dir", str(tmp_path), "--placements", "split,nope"],
+        [sys.executable, str(SCRIPT), "--work-dir", str(tmp_path), "--placements", placements],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert proc.returncode != 0
-    assert "--placements: unknown placement 'nope'; use split and/or shared" in proc.stderr
+    assert message in proc.stderr
     assert not (tmp_path / "models").exists()  # refused before any model was built
