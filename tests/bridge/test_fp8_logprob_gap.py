@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "fp8_logprob_gap.py"
+from bridge_helpers import run_benchmark
 
 
 def _run(tmp_path: Path, *args: str) -> dict[str, float]:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--work-dir", str(tmp_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=ROOT,
-    )
+    proc = run_benchmark("fp8_logprob_gap.py", "--work-dir", str(tmp_path), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("fp8 logprob gap: "), lines[-5:]  # the goal figure, last

@@ -5,25 +5,19 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "weight_sync.py"
+from bridge_helpers import run_benchmark
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the split placement needs 2 cores")
 def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--work-dir", str(tmp_path), "--layers", "1", "--hidden", "128"]
-        + ["--vocab", "512", "--reps", "2", "--first-bucket-mb", "0.1"],
-        capture_output=True,
-        text=True,
+    proc = run_benchmark(
+        "weight_sync.py",
+        *("--work-dir", str(tmp_path), "--layers", "1", "--hidden", "128", "--vocab", "512"),
+        *("--reps", "2", "--first-bucket-mb", "0.1"),
         timeout=1200,
-        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -52,12 +46,8 @@ def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_pa
     ],
 )
 def test_benchmark_refuses_bad_placements(tmp_path: Path, placements: str, message: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--work-dir", str(tmp_path), "--placements", placements],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    proc = run_benchmark(
+        "weight_sync.py", "--work-dir", str(tmp_path), "--placements", placements, timeout=300
     )
     assert proc.returncode != 0
     assert message in proc.stderr
