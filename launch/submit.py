@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from launch import exit_codes
 from launch.cluster import ClusterError, check_plan_fits, partition_info
 from launch.plan import JobPlan, plan_job
+from megatron_acrl import exit_codes
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config, parse_overrides
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch"

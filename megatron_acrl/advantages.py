@@ -6,7 +6,6 @@ inputs ``[N, T]`` with a response mask.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -87,6 +86,54 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
     return adv, returns
 
 
+def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """``[N]`` sequence rewards -> ``[N, T]`` token rewards on each row's last response token."""
+    t_idx = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask > 0, t_idx, -1).amax(-1)  # -1: no response token in the row
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards[rows]
+    return out
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``[N, T]`` -> zero mean, unit (unbiased) variance over the valid tokens; 0 outside ``mask``."""
+    m = mask.to(x.dtype)
+    n = m.sum().clamp_min(1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp_min(1)
+    return (x - mean) * torch.rsqrt(var + eps) * m
+
+
+def ppo_advantages(tb: dict[str, Tensor], a: Any, *, whiten: bool = True) -> tuple[Tensor, dict[str, float]]:
+    """PPO: GAE over the critic's values with the sequence reward on the last response token.
+
+    Args:
+        tb: the train batch with ``rewards [N]``, ``loss_mask [N, L]`` and ``values [N, L]`` (the
+            critic's V(state before token t), ``Critic.forward_values``). ``tb["returns"] [N, L]``
+            (the critic's regression targets, 0 outside the mask) is written into it.
+        a: ``cfg.algorithm`` (``gae_gamma``, ``gae_lambda``).
+        whiten: normalise advantages over the batch's valid tokens (standard PPO practice).
+    Returns:
+        ``(advantages [N, L], metrics)``; metrics describe the raw (unwhitened) advantages.
+    """
+    if "values" not in tb:
+        raise KeyError("algorithm.name=ppo needs tb['values'] from Critic.forward_values first")
+    mask = tb["loss_mask"].float()
+    values = tb["values"].float() * mask
+    rewards = last_token_rewards(tb["rewards"].float(), mask)
+    adv, returns = gae(rewards, values, mask, gamma=a.gae_gamma, lam=a.gae_lambda)
+    tb["returns"] = returns
+    n = mask.sum().clamp_min(1)
+    metrics = {
+        "advantages/mean": float(adv.sum() / n),
+        "advantages/abs_mean": float(adv.abs().sum() / n),
+        "critic/returns_mean": float(returns.sum() / n),
+        "critic/values_mean": float(values.sum() / n),
+    }
+    return (masked_whiten(adv, mask) if whiten else adv), metrics
+
+
 def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor, *, tol: float = 0.0) -> Tensor:
     """DAPO dynamic sampling: ``[N]`` bool, False for every sample of a group whose rewards are all equal.
 
@@ -122,8 +169,6 @@ def compute_advantages(tb: dict[str, Tensor], cfg: Any) -> tuple[Tensor, dict[st
     """
     a = cfg.algorithm
     if a.name == "ppo":  # critic + GAE; also writes tb["returns"], the critic's targets
-        from megatron_acrl.ppo import ppo_advantages
-
         return ppo_advantages(tb, a)
     norm_std = a.grpo_norm_std and a.name != "dr_grpo"
     seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=norm_std)
@@ -134,23 +179,3 @@ def compute_advantages(tb: dict[str, Tensor], cfg: Any) -> tuple[Tensor, dict[st
         "advantages/abs_mean": float(seq.abs().mean()),
         "advantages/zero_groups_frac": float((~keep).float().mean()),
     }
-
-
-def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str, Tensor]]:
-    """PPO epochs x minibatches over a train batch; each epoch reshuffles whole groups.
-
-    With one epoch and one minibatch this yields the batch itself (the GRPO default: one optimizer
-    step per rollout batch, strictly on-policy w.r.t. pi_old).
-    """
-    a = cfg.algorithm
-    n = tb["tokens"].shape[0]
-    if a.ppo_epochs == 1 and a.num_minibatches == 1:
-        yield tb
-        return
-    size = n // a.num_minibatches
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(a.ppo_epochs):
-        order = torch.randperm(n, generator=g)
-        for k in range(a.num_minibatches):
-            idx = order[k * size : (k + 1) * size]
-            yield {key: (v[idx] if v.dim() >= 1 and v.shape[0] == n else v) for key, v in tb.items()}

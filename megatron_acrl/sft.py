@@ -84,7 +84,7 @@ def sft_warmstart(
 ) -> Path:
     """Run (or reuse) the warm-start; every trainer rank calls it. Returns the checkpoint directory."""
     from megatron_acrl.losses import sft_loss
-    from megatron_acrl.megatron.trainer import Trainer
+    from megatron_acrl.megatron.policy import Policy
 
     out = Path(cache_root) / f"sft-{sft_cache_key(cfg, base_dir)}"
     if out.is_dir():
@@ -105,7 +105,7 @@ def sft_warmstart(
         # Supervised batches have no rollout routing to replay.
         model=dataclasses.replace(cfg.model, moe_routing_replay="off"),
     )
-    trainer = Trainer(sft_cfg, loss_fn=sft_loss, total_steps=t.sft_steps)
+    trainer = Policy(sft_cfg, loss_fn=sft_loss, total_steps=t.sft_steps)
     trainer.load_hf(base_dir)
     task = make_task(cfg.task)
     stream = task.train_prompts(seed=t.seed + 7919)  # not the RL stream: RL prompts stay unseen

@@ -153,7 +153,7 @@ def shared_servers(grid: Grid, log_dir: Path) -> Iterator[dict[str, str]]:
     if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
         yield {}
         return
-    from megatron_acrl.engine import resolve_device
+    from megatron_acrl.rollout_servers import resolve_device
     from sglang_bridge.server import ServerSpec, SGLangServer
 
     model_dir = server_model_dir(grid)
@@ -281,7 +281,7 @@ def run_grids(grids: Sequence[Grid], out: Path, jobs: int = 1) -> None:
         return
     # Heavy imports (transformers' lazy modules deadlocked when first imported from several threads
     # at once) and the servers' checkpoints happen here, in the main thread, before the workers.
-    import megatron_acrl.engine  # noqa: F401
+    import megatron_acrl.rollout_servers  # noqa: F401
     import sglang_bridge.server  # noqa: F401
 
     for g in grids:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import ModelConfig
-from sglang_bridge.convert import hf_config
+from megatron_acrl.megatron.convert import hf_config
 
 # Bump when the corpus or tokenizer recipe changes: it is part of every cache key.
 TOKENIZER_RECIPE_VERSION = 1

@@ -1,7 +1,7 @@
 """The RL driver: ``python -m megatron_acrl.train --config configs/X.yaml [section.key=value ...]``.
 
 Run it under ``torchrun`` (or ``srun``) for several trainer ranks; rank 0 drives the loop and owns the
-rollout engine, every rank trains. One step::
+rollout servers, every rank trains. One step::
 
     generate -> reward -> pi_old log-probs -> advantages -> controller -> train -> sync weights
 
@@ -16,41 +16,46 @@ import sys
 import time
 from collections.abc import Callable
 
-from megatron_acrl.advantages import compute_advantages, minibatches
-from megatron_acrl.checkpoint import DriverState, export_hf, load_driver_state, save_checkpoint
+from megatron_acrl.advantages import compute_advantages
+from megatron_acrl.batch import minibatches
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
-from megatron_acrl.rollout import collect_rollouts, evaluate, log_extras
-from megatron_acrl.runtime import RunContext, setup_run
+from megatron_acrl.context import RunContext, setup_run
+from megatron_acrl.evaluate import evaluate
+from megatron_acrl.exit_codes import SERVERS_UNAVAILABLE
+from megatron_acrl.logging import log_extras
+from megatron_acrl.resume import DriverState, export_hf, load_driver_state, save_checkpoint
+from megatron_acrl.rollout import collect_rollouts
+from sglang_bridge.server import ServersNotReady
 
 
 def train(ctx: RunContext, state: DriverState) -> DriverState:
     """The loop: one screen, each phase a named function."""
-    cfg, trainer, log = ctx.cfg, ctx.trainer, ctx.logger
+    cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
         batch, m = collect_rollouts(ctx, state, step)  # generate -> reward (rank 0), broadcast
         t1 = time.perf_counter()
         tb = batch.tensors()
-        old = trainer.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
+        old = policy.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
         tb["old_logprobs"] = old["logprobs"]
         if "recorded_experts" in old:  # R2: the training pass replays this pass's routing
             tb["recorded_experts"] = old["recorded_experts"]
-        m.update(trainer.routing_metrics(tb))  # MoE: trainer-vs-rollout routing mismatch
+        m.update(policy.routing_metrics(tb))  # MoE: trainer-vs-rollout routing mismatch
         if cfg.algorithm.kl_coef > 0:
-            tb["ref_logprobs"] = trainer.forward_logprobs(tb, reference=True)["logprobs"]
+            tb["ref_logprobs"] = policy.forward_logprobs(tb, reference=True)["logprobs"]
         if ctx.critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages
             tb["values"] = ctx.critic.forward_values(tb)["values"]
         tb["advantages"], adv_m = compute_advantages(tb, cfg)
         m.update(adv_m)
-        m.update(trainer.update_controller(tb))  # ACRL: once per rollout batch
+        m.update(policy.update_controller(tb))  # ACRL: once per rollout batch
         t2 = time.perf_counter()
         for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
-            m.update(trainer.train_step(mb))
+            m.update(policy.train_step(mb))
             if ctx.critic is not None:
                 m.update(ctx.critic.train_step(mb))  # critic/* metrics
         t3 = time.perf_counter()
         state.weight_version = f"step-{step + 1}"
-        m.update(ctx.sync_weights(state.weight_version))
+        m.update(ctx.push_weights(state.weight_version))
         t4 = time.perf_counter()
         state.step = step + 1
         m.update(
@@ -111,7 +116,7 @@ def run(
             prepare(ctx)
         state = load_driver_state(ctx)
         ctx.start_logging(config_to_dict(cfg), state)
-        ctx.sync_weights(state.weight_version)  # the servers start from the initial weights
+        ctx.push_weights(state.weight_version)  # the servers start from the initial weights
         state = train(ctx, state)
         if ctx.cfg.training.checkpoint_dir and not ctx.checkpointed(state.step):
             save_checkpoint(ctx, state)
@@ -132,9 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    from launch.exit_codes import SERVERS_UNAVAILABLE
-    from launch.wait_servers import ServersNotReady
-
     try:
         run(cfg, args)
     except ConfigError as err:  # layout checks that need the launched world (dp, batch divisibility)

@@ -15,7 +15,7 @@
  * exponent clamped below at -6 (e4m3's subnormal range), and (|y| + M) - M with M = step * 2^23
  * rounds |y| to a multiple of step, half to even, in the default rounding mode (M's ulp is step).
  * That needs IEEE evaluation order, so this file is built WITHOUT the relaxed FP flags of
- * megatron_acrl/native.py (see FP8_CFLAGS in fp8.py: no -ffast-math family, no FP contraction);
+ * ckernels/__init__.py (see FP8_CFLAGS in fp8.py: no -ffast-math family, no FP contraction);
  * NaN handling is written with comparisons whose false branch keeps the NaN.
  *
  * bf16 weights on AVX-512BW take a table path (fake_seg_bf16_tab below) that gives the same bits

@@ -2,7 +2,7 @@
 
     async with SGLangClient(url) as c:
         groups = await c.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0), n=4)
-        groups[0][2].logprobs      # per output token, float, len == len(output_ids)
+        groups[0][2].rollout_logprobs  # per output token, float, len == len(output_ids)
 
 Log-prob temperature semantics (SGLang 0.5.23, ``layers/sampler.py``): the returned log-prob of a
 sampled token is ``log softmax(logits / T)[token]`` over the full vocabulary (temperature applied,
@@ -99,8 +99,9 @@ class Sample:
 
     prompt_ids: list[int]
     output_ids: list[int]
-    logprobs: list[float]
-    """Rollout log-prob of each output token, ``len == len(output_ids)``, at ``logprob_temperature``."""
+    rollout_logprobs: list[float]
+    """Rollout log-prob (log mu) of each output token, ``len == len(output_ids)``, at
+    ``logprob_temperature``."""
     finish_reason: str
     """"stop" (EOS / stop token), "length" (max_new_tokens) or "abort"."""
     weight_version: str
@@ -412,7 +413,7 @@ class SGLangClient:
 
     def _sample(self, prompt: list[int], out: dict[str, Any], params: SamplingParams) -> Sample:
         mi = out["meta_info"]
-        lps = [float(x[0]) for x in mi.get("output_token_logprobs") or []]
+        rollout_logprobs = [float(x[0]) for x in mi.get("output_token_logprobs") or []]
         finish = mi.get("finish_reason") or {}
         experts = None
         if self.routed_experts_topk:
@@ -429,7 +430,7 @@ class SGLangClient:
         return Sample(
             prompt_ids=prompt,
             output_ids=[int(t) for t in out["output_ids"]],
-            logprobs=lps,
+            rollout_logprobs=rollout_logprobs,
             finish_reason=finish.get("type", "unknown") if isinstance(finish, dict) else str(finish),
             weight_version=str(mi.get("weight_version", "")),
             weight_versions=list(mi.get("weight_versions") or []),

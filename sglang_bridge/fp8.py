@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_acrl.native import BASE_CFLAGS, load_library
+from ckernels import BASE_CFLAGS, load_library
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -232,7 +232,7 @@ def _fake_quantize_block_reference(
 # -- native block path -------------------------------------------------------------------------------
 # ``_fp8_block.c``: amax, scale, e4m3 rounding and (fake) dequantization of a whole weight in one C
 # pass per 128-row stripe, bf16 / fp32, ragged edge blocks included, bit-identical to the reference
-# (tests/bridge/test_fp8.py, stress grids included). Built on first use by megatron_acrl/native.py with
+# (tests/bridge/test_fp8.py, stress grids included). Built on first use by ckernels/__init__.py with
 # the flags below: IEEE evaluation order (no -ffast-math family, no FP contraction), because the
 # e4m3 rounding is exact arithmetic that reassociation would fold away; -fno-trapping-math only lets
 # the compiler turn the clamps into vector selects (no FP exception is ever inspected), which

@@ -1061,9 +1061,11 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         deltas: list[float] = []
         per_prompt = []
         for s, r in zip(samples, ref, strict=True):
-            if len(r) != len(s.logprobs):
-                raise ValueError(f"reference returned {len(r)} log-probs for {len(s.logprobs)} tokens")
-            d = [abs(a - b) for a, b in zip(s.logprobs, r, strict=True)]
+            if len(r) != len(s.rollout_logprobs):
+                raise ValueError(
+                    f"reference returned {len(r)} log-probs for {len(s.rollout_logprobs)} tokens"
+                )
+            d = [abs(a - b) for a, b in zip(s.rollout_logprobs, r, strict=True)]
             deltas += d
             per_prompt.append(max(d, default=0.0))
         rep = VerifyReport(

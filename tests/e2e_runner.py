@@ -20,7 +20,7 @@ import sys
 
 from megatron.core import parallel_state
 
-import megatron_acrl.rollout as rollout_mod
+import megatron_acrl.evaluate as evaluate_mod
 from megatron_acrl.config import load_config
 from megatron_acrl.train import parse_args, run
 
@@ -28,7 +28,7 @@ from megatron_acrl.train import parse_args, run
 def inject(faults: dict):
     def prepare(ctx):
         if "sigterm_at_train_step" in faults:
-            train_step, count = ctx.trainer.train_step, {"n": 0}
+            train_step, count = ctx.policy.train_step, {"n": 0}
 
             def preempted(batch):
                 out = train_step(batch)
@@ -37,14 +37,14 @@ def inject(faults: dict):
                     os.kill(os.getpid(), signal.SIGTERM)  # what SLURM sends on preemption
                 return out
 
-            ctx.trainer.train_step = preempted
-        engine = ctx.engine
+            ctx.policy.train_step = preempted
+        engine = ctx.servers
         if engine is None or not faults:
             return
         generate = engine.generate
         calls = {"n": 0}
         evaluating = {"on": False}
-        served_eval = rollout_mod._evaluate_served
+        served_eval = evaluate_mod._evaluate_served
 
         def marked_eval(ctx, prefix):  # eval generations (greedy and sampled) are not training's
             evaluating["on"] = True
@@ -53,7 +53,7 @@ def inject(faults: dict):
             finally:
                 evaluating["on"] = False
 
-        rollout_mod._evaluate_served = marked_eval
+        evaluate_mod._evaluate_served = marked_eval
 
         def faulty(prompt_ids, n, params):
             # Training generations happen once per step here (no dynamic sampling).
@@ -66,7 +66,7 @@ def inject(faults: dict):
             if training:
                 calls["n"] += 1
             if step == faults.get("nan_logprob_at_step"):
-                groups[0][0].logprobs[0] = float("nan")
+                groups[0][0].rollout_logprobs[0] = float("nan")
             return groups
 
         engine.generate = faulty

@@ -122,8 +122,8 @@ def run_case(
     bf16: bool = False,
 ) -> dict[str, Any]:
     """One layout: forward-only log-probs, two controller updates, one optimizer step, export."""
-    from megatron_acrl.megatron.trainer import Trainer, initialize_parallel
-    from sglang_bridge import convert
+    from megatron_acrl.megatron import convert
+    from megatron_acrl.megatron.policy import Policy, initialize_parallel
 
     t0 = time.perf_counter()
     cfg = make_config(kind, layout, bf16=bf16)
@@ -132,7 +132,7 @@ def run_case(
     if negative:  # wrongly sharded weights: every TP rank loads its mirror rank's shard
         convert.tp_shard = lambda name, full, n, r, dim: original_shard(name, full, n, n - 1 - r, dim)
     try:
-        trainer = Trainer(cfg)
+        trainer = Policy(cfg)
         if init is not None:
             trainer.load_hf(init)
     finally:
@@ -183,7 +183,7 @@ def run_critic_case(
 ) -> dict[str, Any]:
     """One layout of the PPO critic: forward-only values, one clipped value-loss step, export."""
     from megatron_acrl.megatron import critic as critic_mod
-    from megatron_acrl.megatron.trainer import initialize_parallel
+    from megatron_acrl.megatron.policy import initialize_parallel
 
     t0 = time.perf_counter()
     cfg = make_config(kind, layout)
@@ -294,12 +294,12 @@ def _prepared_batches(trainer: Any) -> tuple[dict, dict]:
 
 
 def _try_load(cfg: Any, ckpt: str | Path) -> str:
-    """Load ``ckpt`` into a fresh Trainer of ``cfg``: 'loaded', or the ConfigError's message."""
+    """Load ``ckpt`` into a fresh Policy of ``cfg``: 'loaded', or the ConfigError's message."""
     from megatron_acrl.config import ConfigError
-    from megatron_acrl.megatron import trainer as trainer_mod
+    from megatron_acrl.megatron import policy as trainer_mod
 
     trainer_mod.initialize_parallel(cfg.parallel, SEED)
-    model = trainer_mod.Trainer(cfg)
+    model = trainer_mod.Policy(cfg)
     try:
         model.load_checkpoint(ckpt)
         return "loaded"
@@ -314,7 +314,7 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
     """Distributed checkpoints: save under one layout, load under others (identical full weights,
     the optimizer state resharded: the next step matches), a crash inside a save leaves the last
     good checkpoint, and a checkpoint of another model is refused with the mismatched fields."""
-    from megatron_acrl.megatron import trainer as trainer_mod
+    from megatron_acrl.megatron import policy as trainer_mod
     from megatron_acrl.megatron.critic import Critic
 
     root = Path(args["tmp"])
@@ -325,7 +325,7 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         cfg = make_config(kind, save_layout)
         trainer_mod.initialize_parallel(cfg.parallel, SEED)
         critic = group.get("critic", False)
-        model = Critic(cfg) if critic else trainer_mod.Trainer(cfg)
+        model = Critic(cfg) if critic else trainer_mod.Policy(cfg)
         res: dict[str, Any] = {}
         if critic:
             batch = make_batch(cfg.model.vocab_size)
@@ -369,7 +369,7 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         for i, layout in enumerate(group["load"]):
             cfg = make_config(kind, layout)
             trainer_mod.initialize_parallel(cfg.parallel, SEED)
-            model = Critic(cfg) if critic else trainer_mod.Trainer(cfg)
+            model = Critic(cfg) if critic else trainer_mod.Policy(cfg)
             model.load_checkpoint(ckpt)
             got: dict[str, Any] = {"step": model.step, "loaded": _weights(model)}
             if not critic:

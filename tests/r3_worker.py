@@ -80,12 +80,12 @@ def synthetic_routing(n: int, length: int, layers: int, experts: int, k: int) ->
 
 def layout_case(case: dict[str, Any], init: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """One layout: pi_old with replay (observed own routing), routing metrics, one step."""
-    from megatron_acrl.megatron.trainer import Trainer, initialize_parallel
+    from megatron_acrl.megatron.policy import Policy, initialize_parallel
 
     base = mw.make_config("moe", case["layout"])
     cfg = _with(base, replay=case["replay"], recompute=case.get("recompute", "none"))
     initialize_parallel(cfg.parallel, mw.SEED)
-    trainer = Trainer(cfg)
+    trainer = Policy(cfg)
     out: dict[str, Any] = {}
     if init is None:
         out["init"] = {k: v.detach().clone() for k, v in trainer.hf_weights(all_stages=True)}
@@ -130,8 +130,8 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
 def scenario_sglang(args: dict[str, Any]) -> dict[str, Any]:
     """Trainer log-probs of a batch SGLang generated, replay off vs rollout, per layout."""
     from megatron_acrl.config import load_config
-    from megatron_acrl.megatron.trainer import Trainer, initialize_parallel
-    from megatron_acrl.rollout import RolloutBatch
+    from megatron_acrl.megatron.policy import Policy, initialize_parallel
+    from megatron_acrl.batch import RolloutBatch
 
     batch = RolloutBatch.load(args["batch"])
     results: dict[str, Any] = {}
@@ -141,7 +141,7 @@ def scenario_sglang(args: dict[str, Any]) -> dict[str, Any]:
         base = dataclasses.replace(base, model=dataclasses.replace(base.model, params_dtype="fp32"))
         cfg = _with(base, replay=case["replay"], mbs=4)
         initialize_parallel(cfg.parallel, mw.SEED)
-        trainer = Trainer(cfg)
+        trainer = Policy(cfg)
         trainer.load_hf(args["ckpt"])
         undo = _misalign(trainer, case.get("negative"))
         try:

@@ -202,7 +202,7 @@ def test_cli_reports_errors_with_exit_code_2():
 
 
 def test_fp8_mode_is_honoured_per_device(tmp_path):
-    from megatron_acrl.engine import RolloutEngine, resolve_fp8_mode
+    from megatron_acrl.rollout_servers import RolloutServers, resolve_fp8_mode
 
     def cfg(*overrides: str):
         return load_config(ROOT / "configs/tiny_dense.yaml", ["rollout.quantization=fp8_block", *overrides])
@@ -217,13 +217,13 @@ def test_fp8_mode_is_honoured_per_device(tmp_path):
     assert resolve_fp8_mode(bf16, "cpu") == "real"  # nothing is quantized, so nothing to refuse
     # Refused before any server starts (the engine would otherwise launch one on the CPU first).
     with pytest.raises(ConfigError, match="rollout.fp8_mode"):
-        RolloutEngine(cfg("rollout.fp8_mode=real", "rollout.device=cpu"), tmp_path / "m", tmp_path)
+        RolloutServers(cfg("rollout.fp8_mode=real", "rollout.device=cpu"), tmp_path / "m", tmp_path)
     stress = cfg("rollout.fp8_rounding=toward_zero", "rollout.device=cuda")
     with pytest.raises(ConfigError, match="set rollout.fp8_mode=fake"):
-        RolloutEngine(stress, tmp_path / "m", tmp_path)
+        RolloutServers(stress, tmp_path / "m", tmp_path)
     # the trainer's unquantized weights cannot be evaluated on a server holding real FP8 weights
     trainer_eval = cfg("training.eval_trainer_weights=true", "rollout.device=cuda")
     with pytest.raises(ConfigError, match="training.eval_trainer_weights"):
-        RolloutEngine(trainer_eval, tmp_path / "m", tmp_path)
+        RolloutServers(trainer_eval, tmp_path / "m", tmp_path)
     with pytest.raises(ConfigError, match="training.eval_samples"):
         load_config(tiny, ["training.eval_samples=-1"])

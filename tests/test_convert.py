@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_acrl.config import ModelConfig
-from sglang_bridge import convert
+from megatron_acrl.megatron import convert
 
 FAMILIES = {
     "llama": ModelConfig(family="llama", add_qkv_bias=False, tie_embeddings=False, num_layers=2),

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
-from megatron_acrl.rollout import load_rollouts
+from megatron_acrl.batch import load_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")

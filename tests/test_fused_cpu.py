@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_acrl import native
+import ckernels as native
 from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import (
     AcrlSignal,

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launch import exit_codes
 from launch.plan import DEFAULT_API_KEY_ENV, plan_job
 from launch.submit import main as submit_main
-from launch.wait_servers import ServersNotReady, wait_for_servers
+from megatron_acrl import exit_codes
 from megatron_acrl.config import ConfigError, load_config
+from sglang_bridge.server import ServersNotReady, wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN7B = ROOT / "configs" / "qwen2.5-7b-gsm8k.yaml"  # tp 4, 4 servers x server_tp 2

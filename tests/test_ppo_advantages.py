@@ -1,13 +1,12 @@
-"""PPO advantages (``megatron_acrl.ppo``): token rewards, GAE wiring, whitening, the returns contract."""
+"""PPO advantages (``megatron_acrl.advantages``): token rewards, GAE, whitening, the returns contract."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_acrl.advantages import compute_advantages
+from megatron_acrl.advantages import compute_advantages, last_token_rewards, masked_whiten, ppo_advantages
 from megatron_acrl.config import config_from_dict
-from megatron_acrl.ppo import last_token_rewards, masked_whiten, ppo_advantages
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@
  * Padding (mask == 0) is replaced by log pi = log mu = 0 before any arithmetic, as in the PyTorch
  * path, so NaN/Inf in padding never reaches a result.
  *
- * Built by megatron_acrl/native.py with the system C compiler; plain C99, no Python or torch headers.
+ * Built by ckernels/__init__.py with the system C compiler; plain C99, no Python or torch headers.
  */
 #include <float.h>
 #include <math.h>

@@ -4,7 +4,7 @@ On a CPU, one micro-batch's correction in eager PyTorch is a few dozen small ops
 dispatch; the two C loops compute the same quantities in one pass each (see the C file for the
 numerics). :class:`~megatron_acrl.correction.metrics.MismatchTensors` and
 :func:`~megatron_acrl.correction.weights.compute_correction` use them automatically for float32 CPU
-tensors when the library builds (:mod:`megatron_acrl.native`), and fall back to their PyTorch path,
+tensors when the library builds (:mod:`ckernels`), and fall back to their PyTorch path,
 which stays the reference and the GPU path, otherwise. ``tests/test_fused_cpu.py`` checks the two
 paths agree.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megatron_acrl.native import load_library
+from ckernels import load_library
 
 SOURCE = Path(__file__).with_name("_fused_cpu.c")
 NUM_ROWS = 9  # rows of MismatchTensors.ROWS, in that order

@@ -1,6 +1,6 @@
 """The PPO critic: a Megatron-Core GPT model whose output layer is a scalar value head.
 
-Same process groups and parallel layout as the policy :class:`~megatron_acrl.megatron.trainer.Trainer`
+Same process groups and parallel layout as the policy :class:`~megatron_acrl.megatron.policy.Policy`
 (TP / SP / PP / VPP / DP / EP and MoE), built and driven by the same :class:`MegatronModel` machinery
 (DDP, optimizer, LR schedule, micro-batching, pipeline schedule, HF weights, checkpoint files), and
 initialised from the same HF weights (:meth:`Critic.load_hf`).
@@ -61,7 +61,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from megatron_acrl.megatron.loss_adapter import LossFn, ValueLossAdapter  # noqa: E402
 from megatron_acrl.megatron.model import build_model_chunks, unwrap  # noqa: E402
-from megatron_acrl.megatron.trainer import MegatronModel, save_step_atomically  # noqa: E402
+from megatron_acrl.megatron.policy import MegatronModel, save_step_atomically  # noqa: E402
 
 __all__ = ["HEAD_NAME", "HF_HEAD_NAME", "VALUE_KEYS", "Critic", "ValueHead"]
 
@@ -224,7 +224,7 @@ class Critic(MegatronModel):
         """Write ``directory/step_<n>/critic`` on its own and commit it (all ranks call it).
 
         ``n`` is ``step`` or the critic's own step. In a PPO run the driver instead passes
-        ``lambda d: critic.save_dist(d / "critic")`` to ``Trainer.save_checkpoint``, so policy,
+        ``lambda d: critic.save_dist(d / "critic")`` to ``Policy.save_checkpoint``, so policy,
         critic and driver state are committed together.
         """
         n = self.step if step is None else step

@@ -8,8 +8,8 @@ load-balancing auxiliary loss.
 
 Layer specs: Transformer-Engine specs when a CUDA device is present and ``transformer_engine``
 imports, Megatron's local (pure torch) specs otherwise. Parameter names differ between the two
-(``linear_qkv.layer_norm_weight`` vs ``input_layernorm.weight``); ``sglang_bridge.convert`` normalises
-them in one place.
+(``linear_qkv.layer_norm_weight`` vs ``input_layernorm.weight``);
+``megatron_acrl.megatron.convert`` normalises them in one place.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def build_model_chunks(
 
     Not yet DDP-wrapped (the trainer does that; a reference model stays unwrapped). Parameters are
     randomly initialised with Megatron's init (``training.seed`` via the RNG tracker); load real
-    weights with ``Trainer.load_hf``.
+    weights with ``Policy.load_hf``.
     """
     pp_rank = pg_collection.pp.rank()
     pp_size = pg_collection.pp.size()

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ckernels as native
 import sglang_bridge.fp8 as fp8_mod
-from megatron_acrl import native
 from sglang_bridge.cpu_compat import server_env
 from sglang_bridge.fp8 import (
     FP8_DTYPE,
@@ -355,7 +355,7 @@ def test_table_path_is_taken_where_the_cpu_has_it() -> None:
 
 def test_native_kernel_needs_its_own_flags(tmp_path: Path) -> None:
     """The kernel is built with IEEE evaluation order (fp8.FP8_CFLAGS), not the relaxed defaults of
-    megatron_acrl/native.py: the two builds are different cache entries."""
+    ckernels/__init__.py: the two builds are different cache entries."""
     src = fp8_mod._NATIVE_SOURCE
     relaxed = native.build(src, tmp_path)
     exact = native.build(src, tmp_path, cflags=fp8_mod.FP8_CFLAGS)

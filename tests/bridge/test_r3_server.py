@@ -43,7 +43,7 @@ import torch
 from dist_launch import launch
 
 from megatron_acrl.config import load_config
-from megatron_acrl.rollout import build_batch
+from megatron_acrl.batch import build_batch
 from megatron_acrl.tiny_model import build_checkpoint
 from sglang_bridge.client import SamplingParams, SGLangClient
 from sglang_bridge.server import ServerSpec, SGLangServer
@@ -99,7 +99,7 @@ def rollout(moe_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     batch = build_batch(
         [s.prompt_ids for s in samples],
         [s.output_ids for s in samples],
-        [s.logprobs for s in samples],
+        [s.rollout_logprobs for s in samples],
         rewards=[0.0] * len(samples),
         group_ids=[i // 2 for i in range(len(samples))],
         pad_id=0,
@@ -122,7 +122,7 @@ def scored(rollout: tuple[Path, list], moe_ckpt: Path) -> dict:
 
 
 def _gap(rollout: tuple[Path, list], res: dict) -> torch.Tensor:
-    from megatron_acrl.rollout import RolloutBatch
+    from megatron_acrl.batch import RolloutBatch
 
     batch = RolloutBatch.load(rollout[0])
     mask = batch.loss_mask > 0
@@ -195,7 +195,7 @@ def test_misaligned_replay_is_caught(rollout, scored, negative):
 
 
 def test_recorded_rollouts_carry_experts_for_replay(rollout):
-    from megatron_acrl.rollout import RolloutBatch
+    from megatron_acrl.batch import RolloutBatch
 
     batch = RolloutBatch.load(rollout[0])  # what --load-rollouts replays
     assert batch.routed_experts is not None and batch.routed_experts.shape[:2] == batch.tokens.shape

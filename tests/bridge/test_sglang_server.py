@@ -28,15 +28,15 @@ def test_generate_logprobs_match_transformers(sglang_server: SGLangServer, tiny_
         assert [len(g) for g in groups] == [2, 2, 2]
         for p, g in zip(PROMPTS, groups, strict=True):
             for s in g:
-                assert s.prompt_ids == p and len(s.output_ids) == 8 == len(s.logprobs)
+                assert s.prompt_ids == p and len(s.output_ids) == 8 == len(s.rollout_logprobs)
                 assert s.finish_reason == "length"
                 # SGLang's default: log-probs after temperature scaling.
                 assert s.logprob_temperature == temperature
                 ref = hf_logprobs(model, [p], [s.output_ids], temperature)[0]
-                assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 1e-2
+                assert max(abs(a - b) for a, b in zip(s.rollout_logprobs, ref, strict=True)) < 1e-2
                 if temperature != 1.0:  # and clearly not the un-tempered ones
                     untempered = hf_logprobs(model, [p], [s.output_ids], 1.0)[0]
-                    assert max(abs(a - b) for a, b in zip(s.logprobs, untempered, strict=True)) > 5e-2
+                    assert max(abs(a - b) for a, b in zip(s.rollout_logprobs, untempered, strict=True)) > 5e-2
 
 
 def test_greedy_logprobs_are_untempered(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
@@ -51,7 +51,7 @@ def test_greedy_logprobs_are_untempered(sglang_server: SGLangServer, tiny_ckpt: 
     s = asyncio.run(go())[0][0]
     assert s.logprob_temperature == 1.0
     ref = hf_logprobs(model, [s.prompt_ids], [s.output_ids], 1.0)[0]
-    assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 1e-2
+    assert max(abs(a - b) for a, b in zip(s.rollout_logprobs, ref, strict=True)) < 1e-2
 
 
 def test_batched_requests_keep_samples_in_order(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
@@ -69,9 +69,9 @@ def test_batched_requests_keep_samples_in_order(sglang_server: SGLangServer, tin
     for p, g1, g4 in zip(PROMPTS, single, batched, strict=True):
         for a, b in zip(g1, g4, strict=True):
             assert a.prompt_ids == b.prompt_ids == p
-            assert a.output_ids == b.output_ids and len(b.logprobs) == 6
+            assert a.output_ids == b.output_ids and len(b.rollout_logprobs) == 6
         ref = hf_logprobs(model, [p], [g4[0].output_ids], 1.0)[0]
-        assert max(abs(x - y) for x, y in zip(g4[0].logprobs, ref, strict=True)) < 1e-2
+        assert max(abs(x - y) for x, y in zip(g4[0].rollout_logprobs, ref, strict=True)) < 1e-2
 
 
 def test_server_killed_mid_request_gives_clear_error(victim_server: SGLangServer) -> None:

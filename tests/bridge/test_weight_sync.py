@@ -59,7 +59,9 @@ def _max_delta(samples: list, model: torch.nn.Module) -> float:
         samples[0].logprob_temperature,
     )
     return max(
-        abs(a - b) for s, r in zip(samples, ref, strict=True) for a, b in zip(s.logprobs, r, strict=True)
+        abs(a - b)
+        for s, r in zip(samples, ref, strict=True)
+        for a, b in zip(s.rollout_logprobs, r, strict=True)
     )
 
 
@@ -160,7 +162,7 @@ def test_bad_update_is_rejected_and_old_version_keeps_serving(
         synchronizer.sync(bad, version="bad")
     after = _generate(sglang_server.url, GREEDY)  # not paused, same weights, same version
     assert [s.output_ids for s in after] == [s.output_ids for s in before]
-    assert [s.logprobs for s in after] == [s.logprobs for s in before]
+    assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
     assert {s.weight_version for s in after} == {s.weight_version for s in before}
     assert synchronizer.version == version
 
@@ -443,7 +445,9 @@ def test_pause_continue_with_inflight_requests(synchronizer, sglang_server, rest
         t.join(timeout=300)
     samples = result["samples"]
     # Every request finished normally, at full length, despite the update in the middle.
-    assert all(s.finish_reason == "length" and len(s.output_ids) == 200 == len(s.logprobs) for s in samples)
+    assert all(
+        s.finish_reason == "length" and len(s.output_ids) == 200 == len(s.rollout_logprobs) for s in samples
+    )
     assert all(s.weight_version == "v5" for s in samples)
     # The version segments say which tokens came from which weights (retract recomputes the KV cache).
     spans = [[seg["version"] for seg in s.weight_versions] for s in samples]

@@ -1,18 +1,15 @@
-"""Everything a run holds: process groups, the trainer, the rollout engine, the task, the logger.
+"""Everything a run holds: the policy (and critic), the rollout servers, the task, the logger.
 
-:func:`setup_run` builds a :class:`RunContext` on every rank: it initialises torch.distributed
-(gloo on CPU, NCCL on GPU) and Megatron's parallel layout, builds the tiny local model when no
+:func:`setup_run` builds a :class:`RunContext` on every rank: it initialises the trainer world
+(:mod:`megatron_acrl.distributed`), builds the tiny local model when no
 ``model.hf_path`` is given, runs the supervised warm-start if asked, loads the weights into the
-Megatron trainer, and on rank 0 starts the rollout engine (SGLang servers + weight sync).
+Megatron trainer, and on rank 0 starts the rollout servers (SGLang + weight sync).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,59 +19,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_acrl.config import Config, ConfigError, config_to_dict
+from megatron_acrl.distributed import broadcast_object, init_distributed, log0
 from megatron_acrl.tasks import Prompt, Task, make_task
-
-
-def log0(*msg: object) -> None:
-    """Print on the driver rank only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*msg, file=sys.stderr, flush=True)
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from ``src`` on every rank of the world (pickled)."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def init_distributed(cfg: Config) -> tuple[int, int]:
-    """Initialise the default group from torchrun/srun variables (or a 1-rank world) and Megatron."""
-    from megatron_acrl.megatron.trainer import initialize_parallel
-
-    if not dist.is_initialized():
-        env = os.environ
-        if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
-            env.setdefault("RANK", env["SLURM_PROCID"])
-            env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
-            env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-        env.setdefault("RANK", "0")
-        env.setdefault("WORLD_SIZE", "1")
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in env:
-            from sglang_bridge.server import free_port
-
-            env["MASTER_PORT"] = str(free_port())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    world = dist.get_world_size()
-    p = cfg.parallel
-    if p.world_size is not None and p.world_size != world:
-        raise ConfigError(
-            [("parallel.world_size", f"config says {p.world_size} but {world} ranks were launched")]
-        )
-    p.data_parallel_size(world)  # raises a ConfigError naming the layout if inconsistent
-    initialize_parallel(p, cfg.training.seed)
-    return dist.get_rank(), world
+from sglang_bridge.client import ServerGoneError
 
 
 @dataclass
 class RunContext:
-    """Handles of one run (see module doc). ``engine`` and ``logger`` exist on rank 0 only."""
+    """Handles of one run (see module doc). ``servers`` and ``logger`` exist on rank 0 only."""
 
     cfg: Config
     args: argparse.Namespace
@@ -84,9 +36,9 @@ class RunContext:
     model_dir: Path
     tokenizer: Any
     task: Task
-    trainer: Any
+    policy: Any
     critic: Any = None  # megatron_acrl.megatron.critic.Critic when algorithm.name == "ppo"
-    engine: Any = None
+    servers: Any = None  # megatron_acrl.rollout_servers.RolloutServers (rank 0, unless replaying)
     logger: Any = None
     prompt_stream: Iterator[Prompt] | None = None
     last_checkpoint_step: int = -1
@@ -104,36 +56,34 @@ class RunContext:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def sync_weights(self, version: str, *, quantize: bool = True) -> dict[str, float]:
-        """Push the trainer's weights to the rollout engine (all ranks walk the gathered stream);
+    def push_weights(self, version: str, *, quantize: bool = True) -> dict[str, float]:
+        """Push the policy's weights to the rollout servers (all ranks walk the gathered stream);
         ``quantize=False`` pushes them without the rollout's FP8 quantization (bf16 servers only).
 
-        A failed sync (a server died) restarts the engine's servers and tries again, twice.
+        A failed sync (a server died) restarts the servers and tries again, twice.
         """
         for attempt in range(3):
-            stream = self.trainer.hf_weights(all_stages=True)
+            stream = self.policy.hf_weights(all_stages=True)
             metrics: dict[str, float] = {}
             ok, retry, err = True, False, ""
-            if self.engine is not None:
+            if self.servers is not None:
                 try:
-                    metrics = self.engine.sync_weights(stream, version, quantize=quantize)
+                    metrics = self.servers.update_weights(stream, version, quantize=quantize)
                 except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
-                    from sglang_bridge.client import ServerGoneError
-
                     ok, err = False, f"{type(e).__name__}: {e}"
-                    retry = isinstance(e, ServerGoneError) or bool(self.engine.dead_servers())
+                    retry = isinstance(e, ServerGoneError) or bool(self.servers.dead_servers())
             for _ in stream:  # drain: the gathers inside are collectives every rank must join
                 pass
             ok, retry, err = broadcast_object((ok, retry, err))
             if not ok and not retry:
                 raise RuntimeError(f"weight sync to {version} failed: {err}")
             if ok:
-                if self.engine is not None:
-                    metrics["sync/restarts"] = float(self.engine.restarts)
+                if self.servers is not None:
+                    metrics["sync/restarts"] = float(self.servers.restarts)
                 return metrics
             log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; restarting the servers")
-            if self.engine is not None:
-                self.engine.restart()
+            if self.servers is not None:
+                self.servers.restart()
         raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")
 
     # -- checkpoints and stopping --------------------------------------------------------------
@@ -169,9 +119,9 @@ class RunContext:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        if self.servers is not None:
+            self.servers.close()
+            self.servers = None
 
 
 def _run_dir(cfg: Config, args: argparse.Namespace) -> Path:
@@ -197,7 +147,7 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
     """Build the run on every rank (see module doc)."""
     from transformers import AutoTokenizer
 
-    from megatron_acrl.megatron.trainer import Trainer
+    from megatron_acrl.megatron.policy import Policy
 
     rank, world = init_distributed(cfg)
     run_dir = _run_dir(cfg, args)
@@ -216,8 +166,8 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         # Tiny local models share one cache (every arm of a study reuses the warm start).
         cache = default_cache_dir() / "sft" if cfg.model.hf_path is None else run_dir / "sft"
         model_dir = sft_warmstart(cfg, model_dir, cache, tokenizer, log=log0)
-    trainer = Trainer(cfg)
-    trainer.load_hf(model_dir)
+    policy = Policy(cfg)
+    policy.load_hf(model_dir)
     critic = None
     if cfg.algorithm.name == "ppo":  # value model on the same layout, initialised from the policy
         from megatron_acrl.megatron.critic import Critic
@@ -225,14 +175,14 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         critic = Critic(cfg)
         critic.load_hf(model_dir)
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    unit = trainer.dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
+    unit = policy.dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
     if per_step % unit:
         raise ConfigError(
             [
                 (
                     "rollout.prompts_per_step",
                     f"prompts_per_step x n_samples_per_prompt = {per_step} "
-                    f"must be a multiple of dp({trainer.dp_size}) x training.micro_batch_size"
+                    f"must be a multiple of dp({policy.dp_size}) x training.micro_batch_size"
                     f"({cfg.training.micro_batch_size}) x algorithm.num_minibatches"
                     f"({cfg.algorithm.num_minibatches}) = {unit}",
                 )
@@ -247,19 +197,19 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         model_dir=Path(model_dir),
         tokenizer=tokenizer,
         task=task,
-        trainer=trainer,
+        policy=policy,
         critic=critic,
     )
     if rank == 0:
         ctx.prompt_stream = task.train_prompts(seed=cfg.training.seed)
         if not args.load_rollouts:
-            from megatron_acrl.engine import RolloutEngine
+            from megatron_acrl.rollout_servers import RolloutServers
 
             log0(
                 f"starting {cfg.rollout.num_servers if not cfg.rollout.server_urls else 'external'} "
                 f"SGLang server(s) for {model_dir}"
             )
-            ctx.engine = RolloutEngine(cfg, model_dir, run_dir / "logs")
+            ctx.servers = RolloutServers(cfg, model_dir, run_dir / "logs")
     dist.barrier()
     return ctx
 

@@ -67,15 +67,15 @@ from megatron_acrl.correction import (  # noqa: E402
     combine_partials,
     finalize_metrics,
 )
+from megatron_acrl.megatron import convert  # noqa: E402
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn  # noqa: E402
 from megatron_acrl.megatron.routing_replay import (  # noqa: E402
     RoutingReplay,
     routing_mismatch_metrics,
     routing_mismatch_sums,
 )
-from sglang_bridge import convert  # noqa: E402
 
-__all__ = ["MegatronModel", "Trainer", "initialize_parallel", "resolve_step_dir", "save_step_atomically"]
+__all__ = ["MegatronModel", "Policy", "initialize_parallel", "resolve_step_dir", "save_step_atomically"]
 
 TRAIN_KEYS = ("tokens", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages")
 
@@ -107,7 +107,7 @@ class _Entry:
 
 
 class MegatronModel:
-    """A Megatron-Core GPT model trained with its own optimizer: the shared half of :class:`Trainer`
+    """A Megatron-Core GPT model trained with its own optimizer: the shared half of :class:`Policy`
     (the policy) and ``megatron_acrl.megatron.critic.Critic`` (the PPO value model).
 
     Holds the DDP-wrapped chunks of this rank, the Megatron optimizer and LR schedule, and the
@@ -631,7 +631,7 @@ class MegatronModel:
         }
 
 
-class Trainer(MegatronModel):
+class Policy(MegatronModel):
     """Megatron-Core policy (and optional reference model) for RL post-training.
 
     Args:

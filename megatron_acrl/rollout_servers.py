@@ -1,4 +1,5 @@
-"""The driver's handle on the rollout side: SGLang servers, generation and weight sync (rank 0 only).
+"""The driver's handle on its rollout servers: SGLang processes, generation fan-out, weight updates
+(rank 0 only).
 
 On a single node the engine starts ``rollout.num_servers`` local SGLang servers from the served
 model directory; multi-node launch scripts start servers on their own nodes and pass
@@ -7,7 +8,7 @@ FP8 is real (e4m3 + scales) on GPU servers and *fake-quant* (FP8 rounding served
 servers, which cannot run FP8 kernels; the mode is reported in every sync's metrics.
 
 A server that dies is restarted from the served model directory and the group reconnected; the
-driver then re-sends the current weights and retries the step (:meth:`RolloutEngine.restart`).
+driver then re-sends the current weights and retries the step (:meth:`RolloutServers.restart`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
-from sglang_bridge.server import ServerSpec, SGLangServer
+from sglang_bridge.server import ServerSpec, SGLangServer, wait_for_servers
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
@@ -78,7 +79,31 @@ def resolve_fp8_mode(cfg: Config, device: str) -> str:
     return mode
 
 
-class RolloutEngine:
+async def generate_groups(
+    clients: Sequence[Any],
+    prompt_ids: Sequence[Sequence[int]],
+    params: Any,
+    n: int,
+) -> list[list[Any]]:
+    """``n`` samples per prompt, prompts spread round-robin over ``clients`` (one per server)."""
+    shards: list[list[int]] = [[] for _ in clients]
+    for i in range(len(prompt_ids)):
+        shards[i % len(clients)].append(i)
+    results = await asyncio.gather(
+        *[
+            c.generate([prompt_ids[i] for i in idx], params, n)
+            for c, idx in zip(clients, shards, strict=True)
+            if idx
+        ]
+    )
+    groups: list[list[Any]] = [[] for _ in prompt_ids]
+    for idx, res in zip([s for s in shards if s], results, strict=True):
+        for i, g in zip(idx, res, strict=True):
+            groups[i] = g
+    return groups
+
+
+class RolloutServers:
     """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0.
 
     Args:
@@ -138,8 +163,6 @@ class RolloutEngine:
         self.servers: list[SGLangServer] = []
         self.restarts = 0
         if r.server_urls:
-            from launch.wait_servers import wait_for_servers
-
             # Launch scripts start these on their own nodes; wait, naming any that never comes up.
             wait_for_servers(list(r.server_urls), timeout_s=r.startup_timeout_s, api_key=self.api_key)
             self.urls = list(r.server_urls)
@@ -202,7 +225,6 @@ class RolloutEngine:
         self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Any]]:
         """``n`` samples per prompt over all servers; raises :class:`ServerGoneError` if one died."""
-        from megatron_acrl.rollout import generate_groups
 
         async def run() -> list[list[Any]]:
             clients = [
@@ -225,7 +247,7 @@ class RolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def sync_weights(
+    def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *, quantize: bool = True
     ) -> dict[str, float]:
         """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).

@@ -9,7 +9,7 @@ Contract with the trainer (``python -m megatron_acrl.train``), one process per r
   (not a "preempted" code) keeps ``srun --kill-on-bad-exit=1`` from killing the other ranks while
   they are still writing their part of the checkpoint.
 * ``2`` -- bad config or arguments (:class:`megatron_acrl.config.ConfigError`), nothing started.
-* ``69`` -- rollout servers unavailable (:func:`launch.wait_servers.wait_for_servers` timed out).
+* ``69`` -- rollout servers unavailable (:func:`sglang_bridge.server.wait_for_servers` timed out).
 * anything else -- a failure; the job ends FAILED with that code and the log says which rank.
 """
 

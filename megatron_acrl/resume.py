@@ -7,9 +7,9 @@
 * ``driver.pt`` -- rank 0's driver state: RL step, weight version, data position (prompts
   consumed), Python and torch RNG states, W&B run id.
 
-Written atomically (``trainer.save_step_atomically``): everything goes into ``.tmp-step_<n>/``, is
-fsynced, renamed to ``step_<n>/``, and only then ``latest.json`` is replaced; a crash at any point
-leaves the previous checkpoint as the one that resumes.
+Written atomically (``megatron_acrl.megatron.policy.save_step_atomically``): everything goes into
+``.tmp-step_<n>/``, is fsynced, renamed to ``step_<n>/``, and only then ``latest.json`` is replaced;
+a crash at any point leaves the previous checkpoint as the one that resumes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.runtime import RunContext, broadcast_object, log0, skip_prompts
+from megatron_acrl.context import RunContext, skip_prompts
+from megatron_acrl.distributed import broadcast_object, log0
 
 
 @dataclass
@@ -51,7 +52,7 @@ def save_checkpoint(ctx: RunContext, state: DriverState) -> Path | None:
     writers = [write_driver]
     if ctx.critic is not None:  # into the same step directory, under the same commit
         writers.append(lambda step_dir: ctx.critic.save_dist(step_dir / ctx.critic.ckpt_kind))
-    path = ctx.trainer.save_checkpoint(directory, also=writers)  # policy/, writers, commit
+    path = ctx.policy.save_checkpoint(directory, also=writers)  # policy/, writers, commit
     ctx.last_checkpoint_step = state.step
     log0(f"checkpoint: step {state.step} -> {path}")
     return path
@@ -62,11 +63,11 @@ def load_driver_state(ctx: RunContext) -> DriverState:
     t = ctx.cfg.training
     if not (t.resume and t.checkpoint_dir and (Path(t.checkpoint_dir) / "latest.json").exists()):
         return DriverState()
-    if not ctx.trainer.load_checkpoint(t.checkpoint_dir):
+    if not ctx.policy.load_checkpoint(t.checkpoint_dir):
         return DriverState()
     if ctx.critic is not None:
         ctx.critic.load_checkpoint(t.checkpoint_dir)
-    from megatron_acrl.megatron.trainer import resolve_step_dir
+    from megatron_acrl.megatron.policy import resolve_step_dir
 
     step_dir = resolve_step_dir(t.checkpoint_dir)
     assert step_dir is not None  # latest.json exists (checked above)
@@ -91,7 +92,7 @@ def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:
     weights gathered from every TP/PP/EP shard). Every rank calls it; rank 0 writes."""
     from megatron_acrl.sft import save_hf_dir
 
-    weights = ctx.trainer.hf_weights(all_stages=True)
+    weights = ctx.policy.hf_weights(all_stages=True)
     if ctx.rank == 0:
         save_hf_dir(weights, ctx.model_dir, out_dir)
         log0(f"exported the policy to {out_dir}")

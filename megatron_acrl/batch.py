@@ -1,0 +1,266 @@
+"""The rollout / train batch contract: assembly and padding, record and replay, minibatches.
+
+Data contract (DESIGN.md): ``tokens [N, L]`` (prompt + response, right-padded), ``loss_mask
+[N, L]`` (1 on response tokens), ``rollout_logprobs [N, L]`` float32 aligned so position t holds
+``log mu(token t | tokens < t)`` (position 0 and padding hold 0), ``rewards [N]``, ``group_ids
+[N]``, ``response_len [N]``; N = prompts x samples, grouped by prompt. MoE rollouts may carry
+``routed_experts [N, L, num_layers, top_k]`` int16: position p holds the experts SGLang routed token p
+to, -1 where there is no routing (each sequence's last token, which the engine never fed through the
+model, and padding). Aligned with ``tokens``, not with the log-probs: the routing of position t-1
+produced the distribution of token t.
+
+The train batch adds ``old_logprobs [N, L]`` (pi_old), optional ``ref_logprobs``, ``advantages
+[N, L]`` and ``values``; :func:`minibatches` cuts it for PPO epochs.
+
+Non-finite rollout log-probs (an engine fault, seen in the field as NaN from overflowing FP8
+kernels) are masked out of the loss and counted, so they never reach a gradient.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TENSOR_FIELDS = ("tokens", "loss_mask", "rollout_logprobs", "rewards", "group_ids", "response_len")
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout batch (see module doc for shapes). Text fields are for logs and tables."""
+
+    tokens: Tensor
+    loss_mask: Tensor
+    rollout_logprobs: Tensor
+    rewards: Tensor
+    group_ids: Tensor
+    response_len: Tensor
+    finish_reasons: list[str] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+    completions: list[str] = field(default_factory=list)
+    num_nonfinite_logprobs: int = 0
+    routed_experts: Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def tensors(self) -> dict[str, Tensor]:
+        out = {k: getattr(self, k) for k in TENSOR_FIELDS}
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts
+        return out
+
+    def select(self, index: Sequence[int] | Tensor) -> RolloutBatch:
+        """Rows ``index`` (e.g. groups kept by DAPO dynamic sampling)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        pick = idx.tolist()
+        return RolloutBatch(
+            **{k: getattr(self, k)[idx] for k in TENSOR_FIELDS},
+            finish_reasons=[self.finish_reasons[i] for i in pick] if self.finish_reasons else [],
+            weight_versions=[self.weight_versions[i] for i in pick] if self.weight_versions else [],
+            prompts=[self.prompts[i] for i in pick] if self.prompts else [],
+            completions=[self.completions[i] for i in pick] if self.completions else [],
+            num_nonfinite_logprobs=self.num_nonfinite_logprobs,
+            routed_experts=self.routed_experts[idx] if self.routed_experts is not None else None,
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
+        """Stack batches (right-padding to the longest)."""
+        width = max(b.tokens.shape[1] for b in batches)
+
+        def pad(t: Tensor, value: float) -> Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        out: dict[str, Any] = {
+            "tokens": torch.cat([pad(b.tokens, pad_id) for b in batches]),
+            "loss_mask": torch.cat([pad(b.loss_mask, 0) for b in batches]),
+            "rollout_logprobs": torch.cat([pad(b.rollout_logprobs, 0) for b in batches]),
+        }
+        for k in ("rewards", "group_ids", "response_len"):
+            out[k] = torch.cat([getattr(b, k) for b in batches])
+        for k in ("finish_reasons", "weight_versions", "prompts", "completions"):
+            out[k] = [x for b in batches for x in getattr(b, k)]
+        out["num_nonfinite_logprobs"] = sum(b.num_nonfinite_logprobs for b in batches)
+        experts = [b.routed_experts for b in batches]
+        if any(e is not None for e in experts):
+            if any(e is None for e in experts):
+                raise ValueError("cannot concatenate rollout batches with and without routed_experts")
+            out["routed_experts"] = torch.cat(
+                [torch.nn.functional.pad(e, (0, 0, 0, 0, 0, width - e.shape[1]), value=-1) for e in experts]
+            )
+        return RolloutBatch(**out)
+
+    # -- record / replay ------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the batch to ``path`` (a ``.pt`` file) atomically."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, tmp)
+        tmp.replace(p)
+
+    @staticmethod
+    def load(path: str | Path) -> RolloutBatch:
+        data = torch.load(Path(path), weights_only=False)
+        return RolloutBatch(**data)
+
+
+def sanitize_logprobs(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Mask non-finite rollout log-probs out of the loss.
+
+    Args:
+        logprobs: ``[N, L]`` rollout log-probs. loss_mask: ``[N, L]``.
+    Returns:
+        ``(logprobs with 0 where masked, loss_mask with those tokens removed, count)``.
+    """
+    bad = ~torch.isfinite(logprobs) & (loss_mask > 0)
+    count = int(bad.sum())
+    if count:
+        logprobs = torch.where(bad, torch.zeros_like(logprobs), logprobs)
+        loss_mask = loss_mask * (~bad).to(loss_mask.dtype)
+    return logprobs, loss_mask, count
+
+
+def build_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    output_logprobs: Sequence[Sequence[float]],
+    *,
+    rewards: Sequence[float],
+    group_ids: Sequence[int],
+    pad_id: int,
+    finish_reasons: Sequence[str] = (),
+    weight_versions: Sequence[str] = (),
+    prompts: Sequence[str] = (),
+    completions: Sequence[str] = (),
+    routed_experts: Sequence[Any] | None = None,
+) -> RolloutBatch:
+    """Assemble right-padded tensors from per-sample token lists (see module doc for layout).
+
+    ``routed_experts``: per sample ``[P + O - 1, num_layers, top_k]`` integers (SGLang's routing of
+    positions 0 .. P+O-2), or None.
+    """
+    n = len(prompt_ids)
+    if not (len(output_ids) == len(output_logprobs) == len(rewards) == len(group_ids) == n):
+        raise ValueError(
+            "build_batch: prompt_ids, output_ids, output_logprobs, rewards, group_ids differ in length"
+        )
+    width = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids, strict=True))
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.float32)
+    lps = torch.zeros(n, width, dtype=torch.float32)
+    for i, (p, o, lp) in enumerate(zip(prompt_ids, output_ids, output_logprobs, strict=True)):
+        if len(lp) != len(o):
+            raise ValueError(f"sample {i}: {len(lp)} log-probs for {len(o)} output tokens")
+        if not p:
+            raise ValueError(
+                f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)"
+            )
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if o:
+            tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
+            mask[i, len(p) : len(p) + len(o)] = 1.0
+            lps[i, len(p) : len(p) + len(o)] = torch.tensor(lp, dtype=torch.float32)
+    lps, mask, bad = sanitize_logprobs(lps, mask)
+    experts = None
+    if routed_experts is not None:
+        experts = _routing_tensor(routed_experts, prompt_ids, output_ids, width)
+    return RolloutBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        rollout_logprobs=lps,
+        rewards=torch.tensor(list(rewards), dtype=torch.float32),
+        group_ids=torch.tensor(list(group_ids), dtype=torch.long),
+        response_len=torch.tensor([len(o) for o in output_ids], dtype=torch.long),
+        finish_reasons=list(finish_reasons),
+        weight_versions=list(weight_versions),
+        prompts=list(prompts),
+        completions=list(completions),
+        num_nonfinite_logprobs=bad,
+        routed_experts=experts,
+    )
+
+
+def _routing_tensor(
+    routed: Sequence[Any],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    width: int,
+) -> Tensor:
+    """``[N, width, layers, k]`` int16 from per-sample ``[P + O - 1, layers, k]`` arrays; -1 elsewhere."""
+    arrays = [torch.as_tensor(r) for r in routed]
+    if len(arrays) != len(prompt_ids):
+        raise ValueError(f"{len(arrays)} routed_experts for {len(prompt_ids)} samples")
+    shape = arrays[0].shape[1:]
+    out = torch.full((len(arrays), width, *shape), -1, dtype=torch.int16)
+    for i, (r, p, o) in enumerate(zip(arrays, prompt_ids, output_ids, strict=True)):
+        rows = len(p) + len(o) - 1
+        if r.dim() != 3 or r.shape[0] != rows or r.shape[1:] != shape:
+            raise ValueError(
+                f"sample {i}: routed_experts of shape {tuple(r.shape)}, expected [{rows}, *{tuple(shape)}] "
+                "(one row per position but the last)"
+            )
+        if rows and (int(r.max()) >= 2**15 or int(r.min()) < 0):
+            raise ValueError(f"sample {i}: routed expert ids outside [0, 32767]")
+        out[i, :rows] = r.to(torch.int16)
+    return out
+
+
+def save_rollouts(batch: RolloutBatch, directory: str | Path, step: int) -> Path:
+    """Record ``batch`` as ``<dir>/step_<step>.pt`` (and an index for humans)."""
+    d = Path(directory)
+    path = d / f"step_{step:06d}.pt"
+    batch.save(path)
+    with open(d / "index.jsonl", "a") as f:
+        f.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "file": path.name,
+                    "n": len(batch),
+                    "reward_mean": float(batch.rewards.mean()) if len(batch) else 0.0,
+                }
+            )
+            + "\n"
+        )
+    return path
+
+
+def load_rollouts(directory: str | Path, step: int) -> RolloutBatch:
+    """Replay the batch recorded for ``step``; a clear error if the recording has no such step."""
+    path = Path(directory) / f"step_{step:06d}.pt"
+    if not path.is_file():
+        have = sorted(p.name for p in Path(directory).glob("step_*.pt"))
+        raise FileNotFoundError(
+            f"--load-rollouts {directory}: no recorded batch for step {step} (have {len(have)}: "
+            f"{have[:3]}{'...' if len(have) > 3 else ''})"
+        )
+    return RolloutBatch.load(path)
+
+
+def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str, Tensor]]:
+    """PPO epochs x minibatches over a train batch; each epoch reshuffles whole groups.
+
+    With one epoch and one minibatch this yields the batch itself (the GRPO default: one optimizer
+    step per rollout batch, strictly on-policy w.r.t. pi_old).
+    """
+    a = cfg.algorithm
+    n = tb["tokens"].shape[0]
+    if a.ppo_epochs == 1 and a.num_minibatches == 1:
+        yield tb
+        return
+    size = n // a.num_minibatches
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(a.ppo_epochs):
+        order = torch.randperm(n, generator=g)
+        for k in range(a.num_minibatches):
+            idx = order[k * size : (k + 1) * size]
+            yield {key: (v[idx] if v.dim() >= 1 and v.shape[0] == n else v) for key, v in tb.items()}

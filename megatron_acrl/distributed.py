@@ -1,0 +1,65 @@
+"""The trainer world: torch.distributed + Megatron's parallel layout, and two helpers every phase uses.
+
+:func:`init_distributed` starts the default group from torchrun / srun variables (gloo on CPU, NCCL
+on GPU) and Megatron's TP / PP / EP / DP groups; :func:`log0` prints on the driver rank and
+:func:`broadcast_object` sends rank 0's Python object to every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_acrl.config import Config, ConfigError
+
+
+def log0(*msg: object) -> None:
+    """Print on the driver rank only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*msg, file=sys.stderr, flush=True)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from ``src`` on every rank of the world (pickled)."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def init_distributed(cfg: Config) -> tuple[int, int]:
+    """Initialise the default group from torchrun/srun variables (or a 1-rank world) and Megatron."""
+    from megatron_acrl.megatron.policy import initialize_parallel
+
+    if not dist.is_initialized():
+        env = os.environ
+        if "RANK" not in env and "SLURM_PROCID" in env:  # srun without torchrun
+            env.setdefault("RANK", env["SLURM_PROCID"])
+            env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
+            env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        env.setdefault("RANK", "0")
+        env.setdefault("WORLD_SIZE", "1")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            from sglang_bridge.server import free_port
+
+            env["MASTER_PORT"] = str(free_port())
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    world = dist.get_world_size()
+    p = cfg.parallel
+    if p.world_size is not None and p.world_size != world:
+        raise ConfigError(
+            [("parallel.world_size", f"config says {p.world_size} but {world} ranks were launched")]
+        )
+    p.data_parallel_size(world)  # raises a ConfigError naming the layout if inconsistent
+    initialize_parallel(p, cfg.training.seed)
+    return dist.get_rank(), world
