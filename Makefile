@@ -27,6 +27,7 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	.venv/bin/lint-imports --no-logo
 
 bench: $(STAMP)
 	$(PY) benchmarks/correction_overhead.py
