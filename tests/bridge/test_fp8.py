@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo_pair import gloo_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,8 @@ from sglang_bridge.fp8 import (
 from sglang_bridge.fp8 import native as fp8_native
 from sglang_bridge.fp8.block import _fake_quantize_block_reference, _quantize_block_reference
 from sglang_bridge.server import free_port
+from sglang_bridge.weight_sync import broadcast_async
+from sglang_bridge.weight_sync.buckets import Bucket
 
 SHAPES = [(256, 512), (300, 200), (64, 64), (129, 1)]
 
@@ -446,11 +449,6 @@ def test_quantize_named_tensors_real_and_fake() -> None:
 
 
 def _gloo_rank(rank: int, port: int, path: str) -> None:
-    from sglang_bridge.weight_sync import _Bucket, broadcast_async, create_update_group
-
-    group = create_update_group(
-        "gloo", "127.0.0.1", port, 2, rank, "fp8-test", __import__("datetime").timedelta(60)
-    )
     g = torch.Generator().manual_seed(0)
     w = torch.randn(37, 129, generator=g)  # odd sizes: alignment must come from the bucket's ordering
     q, s = quantize_block(w)
@@ -460,14 +458,15 @@ def _gloo_rank(rank: int, port: int, path: str) -> None:
         ("a.weight_scale_inv", s),
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
-    if rank == 0:
-        b = _Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
-        torch.save({"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}, path + ".meta")
-        broadcast_async(b.flat, group).wait()
-    else:
-        flat = torch.zeros(nbytes, dtype=torch.uint8)
-        broadcast_async(flat, group).wait()
-        torch.save(flat, path)
+    with gloo_group(rank, port, "fp8-test") as group:
+        if rank == 0:
+            b = Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
+            torch.save({"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}, path + ".meta")
+            broadcast_async(b.flat, group).wait()
+        else:
+            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            broadcast_async(flat, group).wait()
+            torch.save(flat, path)
 
 
 def test_flattened_fp8_bucket_crosses_gloo(tmp_path: Path) -> None:
