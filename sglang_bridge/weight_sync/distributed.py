@@ -489,6 +489,15 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             # A server answered first: a refusal (it never joins), which this raises with the
             # server's answer; or the broadcast is a moment from being marked done.
             self._finish_bucket(f)
+            return
+        try:
+            f.work.wait()  # completed: returns at once, or raises why the broadcast failed
+        except Exception as e:
+            # Completed by failing: the group's own timeout (also timeout_s) can end a broadcast a
+            # server never joined before the deadline above does. Not joined, so nothing more is sent.
+            if f.fut.done():
+                self._finish_bucket(f)  # the servers' answers say why
+            raise WeightSyncTimeoutError(f"bucket not received after {self.timeout_s}s ({e})") from e
 
     def _finish_bucket(self, f: _InFlight, timeout_s: float | None = None) -> int:
         """Wait (up to ``timeout_s``, default :attr:`timeout_s`) for every server to have loaded

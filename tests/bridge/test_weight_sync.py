@@ -327,6 +327,31 @@ def test_drain_after_a_failure_shares_one_timeout_and_skips_after_a_timeout(
         assert waits == [10.0, 0.0]  # the first used the whole budget; none is left for the second
 
 
+class _FailedBroadcast:
+    """A broadcast the group's own timeout ended: complete, and waiting on it raises."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        raise RuntimeError("Timed out waiting 3000ms for send operation to complete")
+
+
+def test_a_broadcast_that_failed_is_not_taken_for_joined(manifest: Manifest) -> None:
+    """The group's timeout and the sync's deadline are both ``timeout_s``: a broadcast a hung server
+    never joined may be ended by the group first. It must fail the sync as a timeout, not let the
+    next bucket go out, and not wait for the silent server's answer."""
+    sync = DistributedWeightSynchronizer(["http://127.0.0.1:9"], manifest, timeout_s=10)
+    try:
+        bucket = Bucket([], torch.empty(0, dtype=torch.uint8))
+        f = _InFlight(bucket, 0, concurrent.futures.Future(), _FailedBroadcast())  # type: ignore[arg-type]
+        with pytest.raises(WeightSyncTimeoutError, match="bucket not received"):
+            sync._await_joined(f)
+        assert not f.loaded
+    finally:
+        sync.close()
+
+
 def _gloo_broadcast_rank(rank: int, port: int, path: str) -> None:
     done = []
     with gloo_group(rank, port, "join-test") as group:
