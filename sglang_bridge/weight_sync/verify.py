@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from sglang_bridge.client import Sample, SamplingParams
+from sglang_bridge.samples import Sample, SamplingParams
 from sglang_bridge.weight_sync.interface import ReferenceLogprobs, VerifyReport
 
 log = logging.getLogger(__name__)
