@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -295,13 +296,9 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         items, checked = self._validated_input(named_tensors)
         u = _Update(version, checked, t0, {"validate": time.perf_counter() - t0})
         # The packer starts on bucket 0 now, overlapping the pause / begin round trips.
-        packer = BucketPacker(
-            lambda stop: group_entries(
-                items, lambda n, t: self._stream_entry(n, t, checked), self._bucket_limit, stop
-            ),
-            self._send_buffers,
-            self._fp8_ws,
-        )
+        entry = functools.partial(self._stream_entry, checked=checked)
+        groups = functools.partial(group_entries, items, entry, self._bucket_limit)  # (stop) -> groups
+        packer = BucketPacker(groups, self._send_buffers, self._fp8_ws)
         try:
             self._open_update(u)
             try:
