@@ -70,9 +70,9 @@ from sglang_bridge.weight_sync import (
     DistributedWeightSynchronizer,
     Manifest,
     SyncReport,
-    _Bucket,
     broadcast_async,
 )
+from sglang_bridge.weight_sync.buckets import Bucket
 
 
 def load_named(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -84,16 +84,16 @@ def load_named(path: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     return {k: v.to(manifest.tensors[k].dtype) for k, v in out.items()}
 
 
-def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
+def raw_transfer(sync: DistributedWeightSynchronizer, flat: Bucket) -> float:
     """begin -> one request + one broadcast of pre-flattened bytes -> end; returns seconds.
 
     begin/end are part of the minimal protocol: without them SGLang 0.5.23 answers 400 and never
     joins the broadcast."""
-    client = sync._clients[0]
+    client = sync._calls.clients[0]
     assert sync.group is not None
     t0 = time.perf_counter()
-    sync._run(client.begin_weight_update())
-    fut = sync._submit(
+    sync._calls.run(client.begin_weight_update())
+    fut = sync._calls.submit(
         client.update_weights_from_distributed(
             flat.names, flat.dtypes, flat.shapes, sync.group_name, load_format="flattened_bucket"
         )
@@ -104,7 +104,7 @@ def raw_transfer(sync: DistributedWeightSynchronizer, flat: _Bucket) -> float:
     r = fut.result(timeout=120)
     assert r.get("success"), r
     work.wait(timeout=timedelta(seconds=120))
-    sync._run(client.end_weight_update())
+    sync._calls.run(client.end_weight_update())
     return time.perf_counter() - t0
 
 
@@ -243,7 +243,7 @@ def measure_sync(
             # pre-flattened once outside the timing.
             sent = list(quantize_named_tensors(named.items(), scheme, mode="fake"))
             nbytes = sum(t.numel() * t.element_size() for _, t in sent)
-            flat = _Bucket(sent, torch.empty(nbytes, dtype=torch.uint8))
+            flat = Bucket(sent, torch.empty(nbytes, dtype=torch.uint8))
             warm = sync.sync(named, version="warmup")
             assert warm.num_bytes == nbytes, (warm.num_bytes, nbytes)  # same bytes on the wire
             raw_transfer(sync, flat)

@@ -26,99 +26,31 @@ answer raises :class:`SGLangHTTPError` with the server's message. A call that mu
 weight update) is retried only if it never reached the server.
 
 Transport: ``/generate`` goes through httpx; the short JSON control calls (pause, continue, the
-weight-update endpoints) through the client's own keep-alive connections (``_ControlConnections``),
-~1 ms cheaper per call, which a weight sync makes eight of in a row.
+weight-update endpoints) through the client's own keep-alive connections
+(:class:`~sglang_bridge.transport.ControlConnections`), ~1 ms cheaper per call, which a weight sync
+makes eight of in a row. The request and answer types are in :mod:`sglang_bridge.samples`, the
+error types and the control connections in :mod:`sglang_bridge.transport`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
 import json
 import sys
-import time
-import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import httpx
-import numpy as np
 from tqdm.auto import tqdm
+
+from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
+from sglang_bridge.transport import ControlConnections, RequestDropped, ServerGoneError, SGLangHTTPError
 
 _R = TypeVar("_R")
 
 PauseMode = Literal["abort", "retract", "in_place"]
-
-
-class SGLangHTTPError(RuntimeError):
-    """The server answered with an error status."""
-
-    def __init__(self, url: str, path: str, status: int, body: str):
-        self.status, self.body = status, body
-        super().__init__(f"{url}{path} -> HTTP {status}: {body[:500]}")
-
-
-class ServerGoneError(ConnectionError):
-    """The server cannot be reached (it died, or never came up)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling parameters of one request (SGLang ``sampling_params``)."""
-
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    """Per-request sampling seed (``sampling_seed``); None lets the server draw."""
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "ignore_eos": self.ignore_eos,
-        }
-        if self.stop_token_ids:
-            d["stop_token_ids"] = list(self.stop_token_ids)
-        if self.seed is not None:
-            d["sampling_seed"] = self.seed
-        return d
-
-
-@dataclass
-class Sample:
-    """One generated continuation of a prompt."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    rollout_logprobs: list[float]
-    """Rollout log-prob (log mu) of each output token, ``len == len(output_ids)``, at
-    ``logprob_temperature``."""
-    finish_reason: str
-    """"stop" (EOS / stop token), "length" (max_new_tokens) or "abort"."""
-    weight_version: str
-    """Weight version reported when the request finished."""
-    weight_versions: list[dict[str, Any]] = field(default_factory=list)
-    """Segments ``{"version", "start", "end"}`` over output tokens; a request paused across an update
-    spans two."""
-    logprob_temperature: float = 1.0
-    """Temperature the log-probs are computed at (see the module docstring)."""
-    server: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
-    routed_experts: np.ndarray | None = None
-    """MoE routing of positions ``0 .. len(prompt_ids) + len(output_ids) - 2``: int32 ``[P + O - 1,
-    num_layers, top_k]`` (None unless requested; see the module docstring)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _CONN_ERRORS = (
@@ -129,118 +61,6 @@ _CONN_ERRORS = (
     httpx.WriteError,
     httpx.PoolTimeout,
 )
-
-
-def decode_routed_experts(encoded: str, num_positions: int, topk: int) -> np.ndarray:
-    """SGLang's ``meta_info["routed_experts"]`` -> int32 ``[num_positions, num_layers, topk]``.
-
-    Raises ``ValueError`` when the payload does not hold ``num_positions`` rows of a whole number of
-    layers (a request sent with a nonzero ``routed_experts_start_len``, or a wrong ``topk``).
-    """
-    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
-    per_row = topk * num_positions
-    if num_positions <= 0 or flat.size % per_row:
-        raise ValueError(
-            f"routed_experts holds {flat.size} int32 values, not num_positions={num_positions} x "
-            f"num_layers x top_k={topk}"
-        )
-    return flat.reshape(num_positions, flat.size // per_row, topk).copy()
-
-
-class _ControlConnections:
-    """Keep-alive HTTP/1.1 connections to one server for its small JSON control calls (pause,
-    continue, the weight-update endpoints: everything :meth:`SGLangClient._post` sends).
-
-    A weight sync is a chain of such calls, each waiting for the one before (pause, begin, one per
-    bucket, end, version, continue). Through httpx each took ~2.8 ms; the same request written on a
-    plain asyncio stream took ~1.6 ms (``/update_weight_version`` on a CPU server, medians of 200 on
-    these 2-core machines; the event-loop hand-off is 0.08 ms of that). The difference is the
-    client's own per-request machinery, about 1 ms of every link of the chain. This speaks just the
-    HTTP/1.1 those calls need: a JSON body out; a Content-Length, chunked or read-to-close body back.
-    ``/generate`` stays on httpx.
-
-    One request per connection at a time; a second concurrent call (the next bucket's request while
-    the previous one is loading) opens or reuses another. An idle connection is reused only within
-    :attr:`IDLE_S`: uvicorn closes idle ones after 5 s (``--timeout-keep-alive``), and a request
-    written into a connection the server is closing would look like a server dropping it mid-request.
-    """
-
-    IDLE_S = 2.0
-
-    def __init__(self, url: str, headers: dict[str, str]):
-        u = urllib.parse.urlsplit(url)
-        self.host = u.hostname or "127.0.0.1"
-        self.port = u.port or 80
-        self.prefix = u.path.rstrip("/")
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self._head = f"Host: {u.netloc}\r\nContent-Type: application/json\r\n{extra}"
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
-
-    async def _connect(self, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        while self._idle:
-            r, w, since = self._idle.pop()
-            if time.monotonic() - since < self.IDLE_S and not (r.at_eof() or w.is_closing()):
-                return r, w
-            w.close()
-        try:
-            return await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout_s)
-        except TimeoutError as e:  # like a refused connection: nothing was sent, so it can be retried
-            raise ConnectionError(f"connect to {self.host}:{self.port} timed out after {timeout_s}s") from e
-
-    async def post(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, bytes]:
-        """POST ``body`` as JSON; returns (status, response body).
-
-        Raises ``OSError`` (refused, unreachable, connect timed out) if no connection could be made
-        (nothing was sent), ``TimeoutError`` if no answer came within ``timeout_s``, and
-        :class:`_Dropped` if the connection failed after the request was written (the server may or
-        may not have acted on it)."""
-        r, w = await self._connect(min(timeout_s, 5.0))
-        data = json.dumps(body).encode()
-        head = f"POST {self.prefix}{path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n"
-        keep = False
-        try:
-            w.write(head.encode() + data)
-            status, keep, payload = await asyncio.wait_for(self._response(w, r), timeout_s)
-            return status, payload
-        except TimeoutError as e:
-            raise TimeoutError(f"no answer within {timeout_s}s") from e
-        except (OSError, EOFError, asyncio.LimitOverrunError, ValueError, IndexError) as e:  # or garbled
-            raise _Dropped(f"{type(e).__name__}: {e}") from e
-        finally:
-            if keep:
-                self._idle.append((r, w, time.monotonic()))
-            else:
-                w.close()
-
-    @staticmethod
-    async def _response(w: asyncio.StreamWriter, r: asyncio.StreamReader) -> tuple[int, bool, bytes]:
-        """Send what was written to ``w``; (status, connection reusable, body) of the response."""
-        await w.drain()
-        head = (await r.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        status = int(head[0].split(" ", 2)[1])
-        fields = dict(line.split(":", 1) for line in head[1:] if line)
-        h = {k.strip().lower(): v.strip().lower() for k, v in fields.items()}
-        keep = h.get("connection") != "close"
-        if "content-length" in h:
-            return status, keep, await r.readexactly(int(h["content-length"]))
-        if h.get("transfer-encoding") == "chunked":
-            parts = []
-            while size := int((await r.readuntil(b"\r\n")).split(b";")[0], 16):
-                parts.append(await r.readexactly(size))
-                await r.readexactly(2)
-            while await r.readuntil(b"\r\n") != b"\r\n":  # trailers, then the blank line
-                pass
-            return status, keep, b"".join(parts)
-        return status, False, await r.read()  # delimited by the server closing the connection
-
-    async def aclose(self) -> None:
-        for _, w, _ in self._idle:
-            w.close()
-        self._idle.clear()
-
-
-class _Dropped(ConnectionError):
-    """A control connection failed after its request was written."""
 
 
 class SGLangClient:
@@ -281,9 +101,9 @@ class SGLangClient:
             ),
         )
         self._rid = itertools.count()
-        # Control calls over plain keep-alive connections (see _ControlConnections); https servers
+        # Control calls over plain keep-alive connections (see ControlConnections); https servers
         # (behind a proxy) keep using httpx for them.
-        self._control = _ControlConnections(self.url, headers) if self.url.startswith("http://") else None
+        self._control = ControlConnections(self.url, headers) if self.url.startswith("http://") else None
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -319,7 +139,7 @@ class SGLangClient:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 raise ConnectionError(f"{type(e).__name__}: {e}") from e
             except _CONN_ERRORS as e:
-                raise _Dropped(f"{type(e).__name__}: {e}") from e
+                raise RequestDropped(f"{type(e).__name__}: {e}") from e
             except httpx.TimeoutException as e:
                 raise TimeoutError(str(e)) from e
             return r.status_code, r
@@ -335,7 +155,7 @@ class SGLangClient:
     ) -> _R:
         """Run ``send`` (one attempt, returning (status, answer)) with retries and backoff.
 
-        ``send`` raises ``OSError`` when nothing reached the server (always retried), :class:`_Dropped`
+        ``send`` raises ``OSError`` when nothing reached the server (always retried), :class:`RequestDropped`
         when the connection failed after the request was written (retried only if
         ``retry_after_send``: a weight update must never run twice) and ``TimeoutError`` when no answer
         came. A status >= 400 raises :class:`SGLangHTTPError` with ``text(answer)``."""
@@ -343,7 +163,7 @@ class SGLangClient:
         for attempt in range(self.retries + 1):
             try:
                 status, answer = await send()
-            except _Dropped as e:
+            except RequestDropped as e:
                 last = e
                 if not retry_after_send:
                     raise ServerGoneError(
@@ -369,7 +189,7 @@ class SGLangClient:
         self, path: str, body: dict[str, Any] | None = None, *, retry_after_send: bool = True
     ) -> Any:
         """A control call: POST a JSON body, return the decoded JSON answer (or its text), over
-        :class:`_ControlConnections` (httpx for an https server)."""
+        :class:`ControlConnections` (httpx for an https server)."""
         if self._control is None:
             text = (await self._request("POST", path, body or {}, retry_after_send=retry_after_send)).text
         else:

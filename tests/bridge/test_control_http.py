@@ -1,4 +1,4 @@
-"""The client's control-call transport (``_ControlConnections``) against a scripted HTTP server.
+"""The client's control-call transport (``ControlConnections``) against a scripted HTTP server.
 
 The real SGLang server (uvicorn) answers with Content-Length bodies, which the weight-sync tests cover
 end to end; here each response framing, connection reuse and every failure is checked on real loopback
@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from sglang_bridge.client import ServerGoneError, SGLangClient, SGLangHTTPError, _ControlConnections
+from sglang_bridge.client import ServerGoneError, SGLangClient, SGLangHTTPError
+from sglang_bridge.transport import ControlConnections
 
 Reply = Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[bool]]
 """Writes the response to one request (its decoded JSON body); returns False to close the connection."""
@@ -163,7 +164,7 @@ def test_concurrent_calls_use_separate_connections():
 
 
 def test_an_idle_connection_is_not_reused_past_idle_s(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(_ControlConnections, "IDLE_S", 0.05)
+    monkeypatch.setattr(ControlConnections, "IDLE_S", 0.05)
 
     async def go() -> None:
         srv = Scripted([length(), length()])

@@ -10,19 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo_pair import gloo_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckernels as native
-import sglang_bridge.fp8 as fp8_mod
 from sglang_bridge.cpu_compat import server_env
 from sglang_bridge.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
+    Fp8Kernel,
     Fp8Scheme,
     Fp8Workspace,
-    _fake_quantize_block_reference,
-    _quantize_block_reference,
     dequantize_block,
     dequantize_scaled,
     fake_quantize,
@@ -30,7 +29,6 @@ from sglang_bridge.fp8 import (
     fake_quantize_block_into,
     fake_quantize_stress,
     native_available,
-    native_table_path,
     quantize_block,
     quantize_block_into,
     quantize_named_tensors,
@@ -39,7 +37,11 @@ from sglang_bridge.fp8 import (
     scheme_from_config,
     should_quantize,
 )
+from sglang_bridge.fp8 import native as fp8_native
+from sglang_bridge.fp8.block import _fake_quantize_block_reference, _quantize_block_reference
 from sglang_bridge.server import free_port
+from sglang_bridge.weight_sync import broadcast_async
+from sglang_bridge.weight_sync.buckets import Bucket
 
 SHAPES = [(256, 512), (300, 200), (64, 64), (129, 1)]
 
@@ -161,31 +163,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ib)[~nan], b.view(ib)[~nan])
 
 
-@pytest.fixture(params=["native", "native-scalar", "torch"])
-def block_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on the C kernel (``_fp8_block.c``: its bf16 table path where the CPU has one, and
-    its scalar code) and on the PyTorch fast path."""
+KERNELS = {"native": Fp8Kernel(), "native-scalar": Fp8Kernel(table=False), "torch": Fp8Kernel(native=False)}
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request: pytest.FixtureRequest) -> Fp8Kernel:
+    """The block quantizer a test passes to every call: the C kernel (``_fp8_block.c``: its bf16 table
+    path where the CPU has one, and its scalar code) and the PyTorch fast path."""
     if request.param != "torch" and not native_available():
         pytest.skip("the C block quantizer did not build here (no C compiler?)")
-    monkeypatch.setattr(fp8_mod, "USE_NATIVE", request.param != "torch")
-    monkeypatch.setattr(fp8_mod, "NATIVE_TABLE", request.param == "native")
-    return request.param
+    return KERNELS[request.param]
 
 
 @pytest.fixture(params=[True, False], ids=["table", "scalar"])
-def native_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Run a native-kernel test with the bf16 table path allowed and with the scalar code only."""
+def native_kernel(request: pytest.FixtureRequest) -> Fp8Kernel:
+    """The C kernel with the bf16 table path allowed and with the scalar code only."""
     if not native_available():
         pytest.skip("the C block quantizer did not build here")
-    monkeypatch.setattr(fp8_mod, "NATIVE_TABLE", request.param)
-    return request.param
+    return Fp8Kernel(table=request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("block", [(128, 128), (32, 64)])
 def test_fast_path_bit_identical_to_reference(
-    dtype: torch.dtype, ue8m0: bool, block: tuple[int, int], block_path: str
+    dtype: torch.dtype, ue8m0: bool, block: tuple[int, int], kernel: Fp8Kernel
 ) -> None:
     """The in-place e4m3 rounding (fake) and the workspace quantizer (real), in C and in PyTorch,
     equal the generic-cast reference bit for bit: random weights at several magnitudes, zeros, -0,
@@ -199,15 +201,15 @@ def test_fast_path_bit_identical_to_reference(
     for w in cases:
         ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
         out = torch.full_like(w, 7.0)
-        fake_quantize_block_into(w, out, block, ue8m0=ue8m0, workspace=ws)
+        fake_quantize_block_into(w, out, block, ue8m0=ue8m0, workspace=ws, kernel=kernel)
         assert _same(out, ref)
-        assert _same(fake_quantize_block(w, block, ue8m0=ue8m0), ref)
+        assert _same(fake_quantize_block(w, block, ue8m0=ue8m0, kernel=kernel), ref)
         q_ref, s_ref = _quantize_block_reference(w, block, ue8m0=ue8m0)
         q = torch.empty(w.shape, dtype=FP8_DTYPE)
         s = torch.empty(s_ref.shape)
-        quantize_block_into(w, q, s, block, ue8m0=ue8m0, workspace=ws)
+        quantize_block_into(w, q, s, block, ue8m0=ue8m0, workspace=ws, kernel=kernel)
         assert _same(q, q_ref) and _same(s, s_ref)
-    nan_block = fake_quantize_block(cases[0], (128, 128))[:128, 256:384]
+    nan_block = fake_quantize_block(cases[0], (128, 128), kernel=kernel)[:128, 256:384]
     assert nan_block.isnan().all()  # the NaN policy, stated: the whole block, like the reference
 
 
@@ -265,7 +267,7 @@ def _every_mantissa_under_odd_scales() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_native_kernel_bit_identical_on_every_pattern(
-    dtype: torch.dtype, ue8m0: bool, native_table: bool
+    dtype: torch.dtype, ue8m0: bool, native_kernel: Fp8Kernel
 ) -> None:
     """The C kernel against the generic-cast reference on inputs the fast-path test does not reach:
     every bf16 bit pattern, every e4m3 value and tie, random fp32 bit patterns, ragged shapes (the
@@ -288,19 +290,19 @@ def test_native_kernel_bit_identical_on_every_pattern(
     for block in [(128, 128), (32, 64)]:
         for w in cases:
             ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
-            assert _same(fake_quantize_block(w, block, ue8m0=ue8m0), ref)
+            assert _same(fake_quantize_block(w, block, ue8m0=ue8m0, kernel=native_kernel), ref)
             out = torch.full(w.shape, 7.0, dtype=dtype)
-            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0), ref)
+            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0, kernel=native_kernel), ref)
             if w.is_contiguous():  # in place: the table path's slow lanes must read the input
                 x = w.clone()
-                assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0), ref)
+                assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0, kernel=native_kernel), ref)
             q_ref, s_ref = _quantize_block_reference(w, block, ue8m0=ue8m0)
-            q, s = quantize_block(w, block, ue8m0=ue8m0)
+            q, s = quantize_block(w, block, ue8m0=ue8m0, kernel=native_kernel)
             assert _same(q, q_ref) and _same(s, s_ref)
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_native_kernel_large_outputs_aligned_or_not(ue8m0: bool, native_table: bool) -> None:
+def test_native_kernel_large_outputs_aligned_or_not(ue8m0: bool, native_kernel: Fp8Kernel) -> None:
     """Outputs of 1 MiB and more, like a send bucket's, take streaming stores where every 64-byte
     store is aligned and ordinary ones where not: both, and in place, equal the reference, slow
     lanes (subnormal edge, inf, NaN) included."""
@@ -311,15 +313,15 @@ def test_native_kernel_large_outputs_aligned_or_not(ue8m0: bool, native_table: b
         ref = _fake_quantize_block_reference(w, block, ue8m0=ue8m0)
         for off in (0, 2):  # buf is 64-byte aligned (torch's CPU allocator): a 2-byte offset is not
             out = buf[off : off + w.numel() * 2].view(torch.bfloat16).view(w.shape)
-            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0), ref)
+            assert _same(fake_quantize_block_into(w, out, block, ue8m0=ue8m0, kernel=native_kernel), ref)
         x = w.clone()
-        assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0), ref)
+        assert _same(fake_quantize_block_into(x, x, block, ue8m0=ue8m0, kernel=native_kernel), ref)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("mantissa_bits", [3, 2, 1, 0])
 def test_native_kernel_stress_grids_match_pytorch(
-    rounding: str, mantissa_bits: int, native_table: bool
+    rounding: str, mantissa_bits: int, native_kernel: Fp8Kernel
 ) -> None:
     """fake_quantize_stress (block) in C equals its PyTorch spelling: every bf16 pattern (NaN, whose
     code 0x7F becomes a finite value once low bits are cleared, included), every e4m3 value, ragged
@@ -331,42 +333,36 @@ def test_native_kernel_stress_grids_match_pytorch(
         for block in [(128, 128), (32, 64)]:
             scheme = Fp8Scheme("block", block, ue8m0)
             for w in cases:
-                fp8_mod.USE_NATIVE = False
-                try:
-                    ref = fake_quantize_stress(w, scheme, rounding, mantissa_bits)  # type: ignore[arg-type]
-                finally:
-                    fp8_mod.USE_NATIVE = True
-                assert _same(fake_quantize_stress(w, scheme, rounding, mantissa_bits), ref)  # type: ignore[arg-type]
+                ref = fake_quantize_stress(w, scheme, rounding, mantissa_bits, kernel=KERNELS["torch"])  # type: ignore[arg-type]
+                got = fake_quantize_stress(w, scheme, rounding, mantissa_bits, kernel=native_kernel)  # type: ignore[arg-type]
+                assert _same(got, ref)
 
 
 def test_table_path_is_taken_where_the_cpu_has_it() -> None:
-    """The table path is not silently off: on an AVX-512BW CPU the kernel reports it, and the switch
-    turns it off (the tests above then compare both against the same reference)."""
+    """The table path is not silently off: on an AVX-512BW CPU the default kernel reports it, and a
+    kernel chosen without it does not take it (the tests above then compare both against the same
+    reference)."""
     if not native_available():
         pytest.skip("the C block quantizer did not build here")
     cpu_has = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert native_table_path() == cpu_has
-    fp8_mod.NATIVE_TABLE = False
-    try:
-        assert not native_table_path()
-    finally:
-        fp8_mod.NATIVE_TABLE = True
+    assert Fp8Kernel().table_path() == cpu_has
+    assert not Fp8Kernel(table=False).table_path()
 
 
 def test_native_kernel_needs_its_own_flags(tmp_path: Path) -> None:
-    """The kernel is built with IEEE evaluation order (fp8.FP8_CFLAGS), not the relaxed defaults of
-    ckernels/__init__.py: the two builds are different cache entries."""
-    src = fp8_mod._NATIVE_SOURCE
+    """The kernel is built with IEEE evaluation order (fp8.native.FP8_CFLAGS), not the relaxed defaults
+    of ckernels/__init__.py: the two builds are different cache entries."""
+    src = fp8_native._NATIVE_SOURCE
     relaxed = native.build(src, tmp_path)
-    exact = native.build(src, tmp_path, cflags=fp8_mod.FP8_CFLAGS)
+    exact = native.build(src, tmp_path, cflags=fp8_native.FP8_CFLAGS)
     assert relaxed != exact and exact.exists()
-    assert not {"-ffast-math", "-fassociative-math", "-ffinite-math-only"} & set(fp8_mod.FP8_CFLAGS)
+    assert not {"-ffast-math", "-fassociative-math", "-ffinite-math-only"} & set(fp8_native.FP8_CFLAGS)
 
 
-def test_fast_path_falls_back_on_ragged_blocks(block_path: str) -> None:
+def test_fast_path_falls_back_on_ragged_blocks(kernel: Fp8Kernel) -> None:
     w = (torch.randn(300, 200) * 0.1).to(torch.bfloat16)  # not whole 128x128 blocks: reference path
-    assert _same(fake_quantize_block(w), _fake_quantize_block_reference(w))
-    q, s = quantize_block(w)
+    assert _same(fake_quantize_block(w, kernel=kernel), _fake_quantize_block_reference(w))
+    q, s = quantize_block(w, kernel=kernel)
     q_ref, s_ref = _quantize_block_reference(w)
     assert _same(q, q_ref) and _same(s, s_ref)
 
@@ -453,11 +449,6 @@ def test_quantize_named_tensors_real_and_fake() -> None:
 
 
 def _gloo_rank(rank: int, port: int, path: str) -> None:
-    from sglang_bridge.weight_sync import _Bucket, broadcast_async, create_update_group
-
-    group = create_update_group(
-        "gloo", "127.0.0.1", port, 2, rank, "fp8-test", __import__("datetime").timedelta(60)
-    )
     g = torch.Generator().manual_seed(0)
     w = torch.randn(37, 129, generator=g)  # odd sizes: alignment must come from the bucket's ordering
     q, s = quantize_block(w)
@@ -467,14 +458,15 @@ def _gloo_rank(rank: int, port: int, path: str) -> None:
         ("a.weight_scale_inv", s),
     ]
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
-    if rank == 0:
-        b = _Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
-        torch.save({"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}, path + ".meta")
-        broadcast_async(b.flat, group).wait()
-    else:
-        flat = torch.zeros(nbytes, dtype=torch.uint8)
-        broadcast_async(flat, group).wait()
-        torch.save(flat, path)
+    with gloo_group(rank, port, "fp8-test") as group:
+        if rank == 0:
+            b = Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
+            torch.save({"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}, path + ".meta")
+            broadcast_async(b.flat, group).wait()
+        else:
+            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            broadcast_async(flat, group).wait()
+            torch.save(flat, path)
 
 
 def test_flattened_fp8_bucket_crosses_gloo(tmp_path: Path) -> None:

@@ -42,8 +42,8 @@ import pytest
 import torch
 from dist_launch import launch
 
-from megatron_acrl.config import load_config
 from megatron_acrl.batch import build_batch
+from megatron_acrl.config import load_config
 from megatron_acrl.tiny_model import build_checkpoint
 from sglang_bridge.client import SamplingParams, SGLangClient
 from sglang_bridge.server import ServerSpec, SGLangServer

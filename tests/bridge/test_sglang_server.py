@@ -1,10 +1,14 @@
-"""Real SGLang server on loopback: generation with log-probs, temperature semantics, faults."""
+"""Real SGLang server on loopback: generation with log-probs, temperature semantics, faults, clean-up."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -134,7 +138,7 @@ def test_server_cpus_bind_every_process_and_thread(tmp_path: Path, tiny_ckpt: Pa
                 out = await c.generate_one(
                     PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
                 )
-                assert len(out.output_ids) == 4 and len(out.logprobs) == 4
+                assert len(out.output_ids) == 4 and len(out.rollout_logprobs) == 4
 
         asyncio.run(go())
         # Threads SGLang started for that request (if any) were made on the core too.
@@ -166,3 +170,60 @@ def test_server_cpus_are_checked_before_launch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"cores \[{n}\] do not exist on this host \(cores 0-{n - 1}\)"):
         srv.launch()
     assert not srv.alive()
+
+
+_SIGNALLED_PARENT = r"""
+import signal, sys, time
+from sglang_bridge.server import ServerSpec, SGLangServer
+
+# What an interactive process has (a background job's shell may have passed SIGINT on ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+with SGLangServer(ServerSpec(model_path=sys.argv[1]), sys.argv[2], startup_timeout_s=240) as srv:
+    untouched = (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    print(srv.pid, untouched, flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Exited (a zombie whose new parent has not reaped it yet counts as exited)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_parent_leaves_no_server_behind(sig: int, tmp_path: Path, tiny_ckpt: Path) -> None:
+    """The bridge installs no signal handler (SIGTERM / SIGINT belong to the entry point, which calls
+    ``stop_all_servers``). A process that started a real server through it and gets SIGTERM (the
+    default action: gone at once; the server follows through PR_SET_PDEATHSIG) or SIGINT
+    (KeyboardInterrupt: the context manager stops the server) leaves none of the server's processes."""
+    log = tmp_path / "server.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _SIGNALLED_PARENT, str(tiny_ckpt), str(log)], stdout=subprocess.PIPE, text=True
+    )
+    tree: list[psutil.Process] = []
+    try:
+        line = parent.stdout.readline() if parent.stdout else ""  # once the server is healthy
+        assert line, f"the parent exited before its server was up; log:\n{log.read_text()[-3000:]}"
+        pid, untouched = line.split()
+        assert untouched == "True"  # starting a server left the process's signal handlers alone
+        root = psutil.Process(int(pid))
+        tree = [root, *root.children(recursive=True)]
+        assert len(tree) >= 3  # the server, its scheduler and its detokenizer
+        parent.send_signal(sig)
+        assert parent.wait(timeout=120) == -sig  # died of the signal: nothing caught it
+        deadline = time.monotonic() + 60
+        while not all(_gone(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p.pid for p in tree if not _gone(p)] == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for p in tree:  # whatever a failure left behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()

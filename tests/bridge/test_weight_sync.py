@@ -18,16 +18,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
+from gloo_pair import gloo_group
 
-from sglang_bridge import weight_sync
 from sglang_bridge.client import SamplingParams, SGLangClient
-from sglang_bridge.fp8 import (
-    Fp8Scheme,
-    _fake_quantize_block_reference,
-    _quantize_block_reference,
-    fake_quantize,
-    should_quantize,
-)
+from sglang_bridge.fp8 import Fp8Scheme, fake_quantize, should_quantize
+from sglang_bridge.fp8.block import _fake_quantize_block_reference, _quantize_block_reference
 from sglang_bridge.server import SGLangServer, free_port
 from sglang_bridge.weight_sync import (
     DistributedWeightSynchronizer,
@@ -35,10 +30,12 @@ from sglang_bridge.weight_sync import (
     ManifestMismatchError,
     WeightSyncError,
     WeightSyncTimeoutError,
-    _Bucket,
-    _InFlight,
+    broadcast_async,
+    distributed,
     host_update_store,
 )
+from sglang_bridge.weight_sync.buckets import Bucket, wire_entry
+from sglang_bridge.weight_sync.distributed import _InFlight
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -102,18 +99,9 @@ def test_bucket_quantizes_in_place_like_the_reference(mode: str) -> None:
         else:
             q, sc = _quantize_block_reference(t, scheme.block_size)
             ref += [(n, q), (n[: -len("weight")] + "weight_scale_inv", sc)]
-    sync = DistributedWeightSynchronizer(
-        ["http://127.0.0.1:9"],
-        Manifest({}),
-        fp8=scheme,
-        fp8_mode=mode,
-    )
-    try:
-        entries = [sync._entry(n, t) for n, t in named]
-        got = _Bucket(entries, torch.full((sum(e.nbytes for e in entries),), 0xAB, dtype=torch.uint8))
-    finally:
-        sync.close()
-    want = _Bucket(ref, torch.empty(sum(t.numel() * t.element_size() for _, t in ref), dtype=torch.uint8))
+    entries = [wire_entry(n, t, scheme, mode) for n, t in named]  # type: ignore[arg-type]
+    got = Bucket(entries, torch.full((sum(e.nbytes for e in entries),), 0xAB, dtype=torch.uint8))
+    want = Bucket(ref, torch.empty(sum(t.numel() * t.element_size() for _, t in ref), dtype=torch.uint8))
     assert (got.names, got.dtypes, got.shapes) == (want.names, want.dtypes, want.shapes)
     assert torch.equal(got.flat, want.flat)
     assert got.seconds["fp8"] > 0 and got.seconds["copy"] > 0
@@ -200,10 +188,10 @@ def test_refused_bucket_fails_fast_and_a_new_group_recovers(
     send nothing more (the server would pair a later bucket's bytes with the refused broadcast),
     leave the server paused on the old version, and a reconnected synchronizer must recover."""
     v4 = _perturbed(restore_v1, seed=4)
-    posted: list[_Bucket] = []
+    posted: list[Bucket] = []
     post = DistributedWeightSynchronizer._post_bucket
 
-    def refuse(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> object:
+    def refuse(self: DistributedWeightSynchronizer, bucket: Bucket, idx: int) -> object:
         posted.append(bucket)
         if (len(posted) == 2) if which == "second" else bucket.last:
             bucket.dtypes = ["float99", *bucket.dtypes[1:]]  # the server cannot build it: it answers
@@ -253,10 +241,10 @@ def test_hung_server_times_out_once_and_a_new_group_recovers(
         p for p in psutil.Process(sglang_server.pid).children(recursive=True) if "scheduler" in p.name()
     )
     posted: list[_InFlight] = []
-    finished: list[_Bucket] = []
+    finished: list[Bucket] = []
     post, finish = DistributedWeightSynchronizer._post_bucket, DistributedWeightSynchronizer._finish_bucket
 
-    def freeze_after_second(self: DistributedWeightSynchronizer, bucket: _Bucket, idx: int) -> _InFlight:
+    def freeze_after_second(self: DistributedWeightSynchronizer, bucket: Bucket, idx: int) -> _InFlight:
         if len(posted) == 1:  # before posting: the request then reaches a scheduler that never runs
             scheduler.suspend()
         posted.append(post(self, bucket, idx))
@@ -323,10 +311,10 @@ def test_drain_after_a_failure_shares_one_timeout_and_skips_after_a_timeout(
     """Buckets still in flight after a failure are waited for (so a retry cannot overtake them)
     within one shared ``timeout_s``, not ``timeout_s`` each; after a timeout not at all."""
     clock = [100.0]
-    monkeypatch.setattr(weight_sync, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     sync = DistributedWeightSynchronizer(["http://127.0.0.1:9"], manifest, timeout_s=10)
     try:
-        bucket = _Bucket([], torch.empty(0, dtype=torch.uint8))
+        bucket = Bucket([], torch.empty(0, dtype=torch.uint8))
         futs = [_CountingFuture(clock) for _ in range(2)]
         inflight = [_InFlight(bucket, i, f, None) for i, f in enumerate(futs)]  # type: ignore[arg-type]
         sync._drain(inflight, error)
@@ -339,21 +327,44 @@ def test_drain_after_a_failure_shares_one_timeout_and_skips_after_a_timeout(
         assert waits == [10.0, 0.0]  # the first used the whole budget; none is left for the second
 
 
-def _gloo_broadcast_rank(rank: int, port: int, path: str) -> None:
-    from sglang_bridge.weight_sync import broadcast_async, create_update_group
+class _FailedBroadcast:
+    """A broadcast the group's own timeout ended: complete, and waiting on it raises."""
 
-    group = create_update_group("gloo", "127.0.0.1", port, 2, rank, "join-test", timedelta(seconds=60))
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        raise RuntimeError("Timed out waiting 3000ms for send operation to complete")
+
+
+def test_a_broadcast_that_failed_is_not_taken_for_joined(manifest: Manifest) -> None:
+    """The group's timeout and the sync's deadline are both ``timeout_s``: a broadcast a hung server
+    never joined may be ended by the group first. It must fail the sync as a timeout, not let the
+    next bucket go out, and not wait for the silent server's answer."""
+    sync = DistributedWeightSynchronizer(["http://127.0.0.1:9"], manifest, timeout_s=10)
+    try:
+        bucket = Bucket([], torch.empty(0, dtype=torch.uint8))
+        f = _InFlight(bucket, 0, concurrent.futures.Future(), _FailedBroadcast())  # type: ignore[arg-type]
+        with pytest.raises(WeightSyncTimeoutError, match="bucket not received"):
+            sync._await_joined(f)
+        assert not f.loaded
+    finally:
+        sync.close()
+
+
+def _gloo_broadcast_rank(rank: int, port: int, path: str) -> None:
     done = []
-    for n in (16, 1 << 20):
-        t = torch.zeros(n, dtype=torch.uint8)
-        if rank == 0:
-            work = broadcast_async(t, group)
-            time.sleep(0.5)  # the receiver joins only after 1 s
-            done.append(work.is_completed())
-            work.wait()
-        else:
-            time.sleep(1.0)
-            broadcast_async(t, group).wait()
+    with gloo_group(rank, port, "join-test") as group:
+        for n in (16, 1 << 20):
+            t = torch.zeros(n, dtype=torch.uint8)
+            if rank == 0:
+                work = broadcast_async(t, group)
+                time.sleep(0.5)  # the receiver joins only after 1 s
+                done.append(work.is_completed())
+                work.wait()
+            else:
+                time.sleep(1.0)
+                broadcast_async(t, group).wait()
     if rank == 0:
         torch.save(done, path)
 

@@ -1,0 +1,167 @@
+"""How to launch one SGLang server: :class:`ServerSpec`, its command line and its environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sglang_bridge.cpu_compat import server_env
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to launch one SGLang server (``python -m sglang.launch_server``)."""
+
+    model_path: str
+    """HF model directory to serve (config.json + safetensors + tokenizer)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu: SGLang's CPU engine with the stand-ins of :mod:`sglang_bridge.cpu_compat`; cuda: real kernels."""
+
+    host: str = "127.0.0.1"
+    """Bind address; keep loopback unless the job spans nodes (then set ``api_key``)."""
+
+    port: int | None = None
+    """HTTP port; None picks a free one at start."""
+
+    tp: int = 1
+    """Tensor-parallel size of this server."""
+
+    gpu_ids: tuple[int, ...] | None = None
+    """CUDA devices of this server (CUDA_VISIBLE_DEVICES); None leaves the environment's choice."""
+
+    cpus: tuple[int, ...] | None = None
+    """CPU cores this server's processes run on (the CPU counterpart of ``gpu_ids``): set as the
+    child's affinity before SGLang starts, so every thread and sub-process it creates inherits it and
+    its OpenMP pool is sized to these cores. None: the cores of the parent, shared with the trainer,
+    whose work during a weight sync (FP8 packing) then competes with the server's for them
+    (docs/bridge.md, "Where a CPU server runs")."""
+
+    dtype: str = "bfloat16"
+    """Activation/weight dtype of the served model."""
+
+    quantization: str | None = None
+    """SGLang ``--quantization`` ("fp8" online-quantizes a bf16 checkpoint); None: as the checkpoint."""
+
+    max_total_tokens: int | None = None
+    """KV-cache capacity in tokens; None: 4096 on CPU (SGLang would size it from RAM), SGLang's on GPU."""
+
+    mem_fraction_static: float | None = None
+    """GPU memory fraction for weights + KV cache; None: SGLang's default."""
+
+    api_key: str | None = None
+    """Require this bearer key on every endpoint (``--api-key``)."""
+
+    random_seed: int | None = 0
+    """Sampling seed of the server (``--random-seed``)."""
+
+    original_logprobs: bool = False
+    """Return log-probs of the *unscaled* logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1 on the server).
+    False (SGLang's default): returned log-probs are log softmax(logits / temperature)."""
+
+    return_routed_experts: bool = False
+    """Serve the experts each token was routed to (``--enable-return-routed-experts``; MoE models, for
+    routing replay). Without it SGLang silently ignores ``return_routed_experts`` in requests."""
+
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
+    """KV-cache dtype. ``fp8_e4m3``: SGLang's FP8 KV cache (``--kv-cache-dtype fp8_e4m3``) on cuda; on
+    cpu, where SGLang offers it only with Intel AMX kernels, emulated in the bf16 cache by the
+    ``fp8_kv`` patch of :mod:`sglang_bridge.cpu_compat` (every K and V rounded through e4m3)."""
+
+    sleep_on_idle: bool = True
+    """Block the scheduler on its sockets while no request is queued (``--sleep-on-idle``). Without it
+    an idle SGLang scheduler polls in a busy loop and keeps one CPU core at 100%: on a small CPU
+    machine that core is taken from the trainer (and from a second server) for the whole run."""
+
+    extra_args: tuple[str, ...] = ()
+    """Further ``launch_server`` flags, passed verbatim."""
+
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+    """Further environment variables of the server process."""
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None and (
+            not self.cpus
+            or len(set(self.cpus)) != len(self.cpus)
+            or not all(isinstance(c, int) and c >= 0 for c in self.cpus)
+        ):
+            raise ValueError(
+                f"ServerSpec.cpus={self.cpus!r}: give distinct core numbers (e.g. (1,) or (2, 3)), "
+                "or None to run on the parent's cores"
+            )
+
+    def check_cpus(self) -> None:
+        """Raise ValueError naming the cores of :attr:`cpus` this host does not have."""
+        if self.cpus is None:
+            return
+        n = os.cpu_count() or 1
+        if missing := sorted(c for c in self.cpus if c >= n):
+            raise ValueError(
+                f"ServerSpec.cpus: cores {missing} do not exist on this host (cores 0-{n - 1}); "
+                "pick cores from that range"
+            )
+
+    def command(self, port: int) -> list[str]:
+        """The launch command line for this spec on ``port``."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--device",
+            self.device,
+            "--dtype",
+            self.dtype,
+            "--tp-size",
+            str(self.tp),
+            "--skip-server-warmup",
+            "--log-level",
+            "info",
+        ]
+        if self.device == "cpu":
+            # CUDA graphs and the xgrammar backend do not exist on a CPU build.
+            cmd += [
+                "--disable-cuda-graph",
+                "--grammar-backend",
+                "none",
+                "--max-total-tokens",
+                str(self.max_total_tokens or 4096),
+            ]
+        elif self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.random_seed is not None:
+            cmd += ["--random-seed", str(self.random_seed)]
+        if self.return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.sleep_on_idle:
+            cmd += ["--sleep-on-idle"]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The environment of the server process."""
+        env = server_env(
+            self.device,
+            routed_experts=self.return_routed_experts,
+            fp8_kv_cache=self.kv_cache_dtype == "fp8_e4m3",
+        )
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        if self.original_logprobs:
+            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        env.update(dict(self.extra_env))
+        return env
