@@ -35,7 +35,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def init_distributed(cfg: Config) -> tuple[int, int]:
     """Initialise the default group from torchrun/srun variables (or a 1-rank world) and Megatron."""
-    from megatron_acrl.megatron.policy import initialize_parallel
+    from megatron_acrl.megatron.base import initialize_parallel
 
     if not dist.is_initialized():
         env = os.environ
