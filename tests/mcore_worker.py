@@ -19,14 +19,10 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 
 from megatron_acrl.config import config_from_dict, config_to_dict  # noqa: E402
 from megatron_acrl.megatron import cpu_compat  # noqa: E402
-
-cpu_compat.apply()
-
-from megatron.core import parallel_state  # noqa: E402
-
 from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
 
 SEED = 1234
@@ -441,6 +437,7 @@ def main(scenarios: dict[str, Any] | None = None) -> None:
     """Run ``scenario_<argv[1]>`` from ``scenarios`` (default: this module's) on this gloo rank."""
     scenario, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo")
+    cpu_compat.apply()  # this worker is an entry point that builds models
     try:
         result = (scenarios or globals())[f"scenario_{scenario}"](args)
         torch.save(result, out_dir / f"rank_{dist.get_rank()}.pt")

@@ -16,13 +16,8 @@ from typing import Any
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
-
-from megatron_acrl.megatron import cpu_compat  # noqa: E402
-
-cpu_compat.apply()
-
 import mcore_worker as mw  # noqa: E402
+import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_acrl.config import Config  # noqa: E402

@@ -39,7 +39,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_acrl.config import Config, ParallelConfig
 from megatron_acrl.correction import all_reduce_partials, combine_partials, finalize_metrics
-from megatron_acrl.megatron import checkpoint, convert, hf_io
+from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io
 from megatron_acrl.megatron.model import build_model_chunks, padded_vocab_size, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import RoutingReplay
 
@@ -52,9 +52,11 @@ LossFuncFor = Callable[[dict], Callable]
 def initialize_parallel(parallel: ParallelConfig, seed: int) -> None:
     """Create Megatron's process groups for ``parallel`` and seed the model-parallel RNG.
 
-    ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU). Call
+    ``torch.distributed`` must already be initialised (gloo on CPU, nccl on GPU), and on a host
+    without CUDA ``cpu_compat.apply()`` must have run (RuntimeError naming it otherwise). Call
     ``parallel_state.destroy_model_parallel()`` before re-initialising with another layout.
     """
+    cpu_compat.require()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
