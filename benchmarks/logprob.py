@@ -29,7 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,25 +58,13 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _inputs(args: argparse.Namespace, device: Any, rank: int) -> tuple[Any, Any, Any]:
+    """This rank's bf16 logits shard ``[tokens, vocab / tp]``, the targets ``[tokens]`` (global
+    vocabulary ids) and the upstream gradient ``[tokens]``."""
     import torch
-    import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT))
-    from megatron_acrl.megatron.logprobs import auto_chunk_size, vocab_parallel_logprobs
-
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.tp))
-    gpu = torch.cuda.is_available()
-    if args.tp > 1:
-        dist.init_process_group("nccl" if gpu else "gloo")
-    rank = dist.get_rank() if args.tp > 1 else 0
-    group = dist.group.WORLD if args.tp > 1 else None
-    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
     g = torch.Generator(device=device).manual_seed(1 + rank)
-    v_local = args.vocab // args.tp
-    shard = torch.empty(args.tokens, v_local, dtype=torch.bfloat16, device=device)
+    shard = torch.empty(args.tokens, args.vocab // args.tp, dtype=torch.bfloat16, device=device)
     for lo in range(0, args.tokens, 64):  # no full-size float32 temporary before the baseline
         rows = shard[lo : lo + 64]
         rows.copy_(torch.randn(rows.shape, generator=g, device=device) * 3)
@@ -82,6 +72,15 @@ def _worker(args: argparse.Namespace) -> None:
         device
     )
     upstream = torch.randn(args.tokens, generator=torch.Generator().manual_seed(1)).to(device)
+    return shard, target, upstream
+
+
+def _paths(args: argparse.Namespace, target: Any, upstream: Any, group: Any) -> dict[str, Callable]:
+    """``{"naive": fn, "fused": fn}``: forward + backward of one path on a logits leaf; each returns
+    the detached log-probs ``[tokens]``."""
+    import torch
+
+    from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
 
     # Each call gets its own copy of the shard (made outside the measurement) playing the model's
     # output: the fused path overwrites it with its gradient, as in the trainer.
@@ -102,49 +101,89 @@ def _worker(args: argparse.Namespace) -> None:
         (lp * upstream).sum().backward()
         return lp.detach()
 
+    return {"naive": naive, "fused": fused}
+
+
+def _timed(args: argparse.Namespace, gpu: bool, fn: Callable, leaf: Any) -> tuple[float, Any]:
+    """Seconds of ``fn`` on ``leaf`` (after a barrier over the TP ranks) and its output."""
+    import torch
+    import torch.distributed as dist
+
+    if args.tp > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    out = fn(leaf.view_as(leaf))  # a non-leaf "model output" (autograd keeps its grad storage)
+    if gpu:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _time_report(args: argparse.Namespace, gpu: bool, paths: dict[str, Callable], fresh: Callable) -> dict:
+    """Both paths in one process, alternating, so machine load hits them alike: minimum and
+    median seconds of each, the thread count, checksums."""
+    import torch
+
+    times: dict[str, list[float]] = {"naive": [], "fused": []}
+    checks = {}
+    for _ in range(args.reps):
+        for name in ("naive", "fused"):
+            seconds, out = _timed(args, gpu, paths[name], fresh())
+            times[name].append(seconds)
+            checks[name] = float(out.double().sum())
+    report: dict[str, Any] = {k: min(v) for k, v in times.items()}
+    report["medians"] = {k: statistics.median(v) for k, v in times.items()}
+    report["threads"] = torch.get_num_threads()
+    report["checksums"] = checks
+    return report
+
+
+def _memory_report(args: argparse.Namespace, gpu: bool, fn: Callable, leaf: Any) -> dict:
+    """Peak extra bytes of one path over the resident (CPU) / allocated (GPU) size before it."""
+    import torch
+
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_bytes()
+        _reset_peak_rss()
+    _timed(args, gpu, fn, leaf)
+    extra = (torch.cuda.max_memory_allocated() if gpu else _peak_rss_bytes()) - base
+    return {"extra_bytes": extra, "shard_bytes": leaf.numel() * leaf.element_size()}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    from megatron_acrl.megatron.logprobs import auto_chunk_size, vocab_parallel_logprobs
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.tp))
+    gpu = torch.cuda.is_available()
+    if args.tp > 1:
+        dist.init_process_group("nccl" if gpu else "gloo")
+    rank = dist.get_rank() if args.tp > 1 else 0
+    group = dist.group.WORLD if args.tp > 1 else None
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    shard, target, upstream = _inputs(args, device, rank)
+    paths = _paths(args, target, upstream, group)
+
     small = shard[:8].detach().clone().requires_grad_(True)  # warm-up: lazy init outside the measurement
-    vocab_parallel_logprobs(small, target[:8] % v_local, tp_group=None)[0].sum().backward()
+    vocab_parallel_logprobs(small, target[:8] % shard.shape[-1], tp_group=None)[0].sum().backward()
     torch.log_softmax(small.float(), -1).sum().backward()
 
     def fresh() -> torch.Tensor:
         return shard.detach().clone().requires_grad_(True)
 
-    def run(fn, leaf: torch.Tensor) -> tuple[float, torch.Tensor]:  # noqa: ANN001
-        if args.tp > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        out = fn(leaf.view_as(leaf))  # a non-leaf "model output" (autograd keeps its grad storage)
-        if gpu:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
-
     if args.path == "time":
-        # Both paths in one process, alternating, so machine load hits them alike; median of each.
-        times: dict[str, list[float]] = {"naive": [], "fused": []}
-        checks = {}
-        for _ in range(args.reps):
-            for name, fn in (("naive", naive), ("fused", fused)):
-                seconds, out = run(fn, fresh())
-                times[name].append(seconds)
-                checks[name] = float(out.double().sum())
-        report = {k: min(v) for k, v in times.items()}
-        report["medians"] = {k: statistics.median(v) for k, v in times.items()}
-        report["chunk"] = args.chunk or auto_chunk_size(v_local, device)
-        report["threads"] = torch.get_num_threads()
-        report["checksums"] = checks
+        report = _time_report(args, gpu, paths, fresh)
+        report["chunk"] = args.chunk or auto_chunk_size(shard.shape[-1], device)
     else:
-        fn = {"naive": naive, "fused": fused}[args.path]
-        leaf = fresh()
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            base = _rss_bytes()
-            _reset_peak_rss()
-        run(fn, leaf)
-        extra = (torch.cuda.max_memory_allocated() if gpu else _peak_rss_bytes()) - base
-        report = {"extra_bytes": extra, "shard_bytes": shard.numel() * shard.element_size()}
+        report = _memory_report(args, gpu, paths[args.path], fresh())
     if rank == 0:
         print(json.dumps(report))
     if args.tp > 1:

@@ -35,7 +35,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def init_distributed(cfg: Config) -> tuple[int, int]:
     """Initialise the default group from torchrun/srun variables (or a 1-rank world) and Megatron."""
-    from megatron_acrl.megatron.policy import initialize_parallel
+    from megatron_acrl.megatron import cpu_compat
+    from megatron_acrl.megatron.base import initialize_parallel
 
     if not dist.is_initialized():
         env = os.environ
@@ -61,5 +62,6 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
             [("parallel.world_size", f"config says {p.world_size} but {world} ranks were launched")]
         )
     p.data_parallel_size(world)  # raises a ConfigError naming the layout if inconsistent
+    cpu_compat.apply()  # the CPU/gloo patches, once per process (a no-op with CUDA)
     initialize_parallel(p, cfg.training.seed)
     return dist.get_rank(), world

@@ -7,7 +7,7 @@
 * ``driver.pt`` -- rank 0's driver state: RL step, weight version, data position (prompts
   consumed), Python and torch RNG states, W&B run id.
 
-Written atomically (``megatron_acrl.megatron.policy.save_step_atomically``): everything goes into
+Written atomically (``megatron_acrl.megatron.checkpoint.save_step_atomically``): everything goes into
 ``.tmp-step_<n>/``, is fsynced, renamed to ``step_<n>/``, and only then ``latest.json`` is replaced;
 a crash at any point leaves the previous checkpoint as the one that resumes.
 """
@@ -67,7 +67,7 @@ def load_driver_state(ctx: RunContext) -> DriverState:
         return DriverState()
     if ctx.critic is not None:
         ctx.critic.load_checkpoint(t.checkpoint_dir)
-    from megatron_acrl.megatron.policy import resolve_step_dir
+    from megatron_acrl.megatron.checkpoint import resolve_step_dir
 
     step_dir = resolve_step_dir(t.checkpoint_dir)
     assert step_dir is not None  # latest.json exists (checked above)
@@ -90,13 +90,6 @@ def load_driver_state(ctx: RunContext) -> DriverState:
 def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:
     """Write the current policy as an HF model directory (config and tokenizer of the served model,
     weights gathered from every TP/PP/EP shard). Every rank calls it; rank 0 writes."""
-    from megatron_acrl.sft import save_hf_dir
-
-    weights = ctx.policy.hf_weights(all_stages=True)
-    if ctx.rank == 0:
-        save_hf_dir(weights, ctx.model_dir, out_dir)
-        log0(f"exported the policy to {out_dir}")
-    else:
-        for _ in weights:  # the gathers are collectives
-            pass
-    return Path(out_dir)
+    out = ctx.policy.save_hf(out_dir, base_dir=ctx.model_dir, dtype=torch.bfloat16)
+    log0(f"exported the policy to {out}")
+    return out

@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,22 +62,6 @@ def sft_batch(prompts: list[Any], tokenizer: Any, eos_id: int, pad_id: int) -> d
     }
 
 
-def save_hf_dir(named_tensors: Any, base_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write an HF model directory: ``base_dir``'s config and tokenizer + the given weights (atomic)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-    tensors = {name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in named_tensors}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
-
-
 def sft_warmstart(
     cfg: Config, base_dir: str | Path, cache_root: str | Path, tokenizer: Any, log: Any = print
 ) -> Path:
@@ -118,12 +101,6 @@ def sft_warmstart(
         metrics = trainer.train_step(sft_batch(list(itertools.islice(stream, n)), tokenizer, eos, pad))
         if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
             log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
-    weights = trainer.hf_weights(all_stages=True)
-    if dist.get_rank() == 0:
-        save_hf_dir(weights, base_dir, out)
-    else:
-        for _ in weights:  # the gathers are collectives: every rank walks the stream
-            pass
-    dist.barrier()
+    trainer.save_hf(out, base_dir=base_dir, dtype=torch.bfloat16)  # as served: bf16, base tokenizer
     del trainer
     return out

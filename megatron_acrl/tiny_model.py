@@ -215,8 +215,6 @@ def build_checkpoint(
     Weights are saved under the checkpoint's own names (per-expert names for MoE), which is also
     what SGLang's loader and the weight-sync manifest expect.
     """
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
     init = initializer_range if initializer_range is not None else (0.2 if cfg.is_moe else 0.02)
     arch_fields = {
         f.name: getattr(cfg, f.name)
@@ -225,20 +223,13 @@ def build_checkpoint(
         not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff", "moe_routing_replay")
     }
     tok_vocab = min(cfg.vocab_size, 320)  # the tokenizer stays small; the embedding may be larger
-    groups = {
-        k: v
-        for k, v in (
-            ("router", router_init_range),
-            ("router_shared", router_shared_init_range or None),
-            ("expert", expert_init_range),
-            ("output", output_init_range),
-        )
-        if v is not None
-    }
-    if groups and not cfg.is_moe and set(groups) - {"output"}:
-        raise ValueError(f"router/expert init ranges need an MoE model, got family {cfg.family}")
-    if "output" in groups and cfg.tie_embeddings:
-        raise ValueError("output_init_range needs an untied LM head (tie_embeddings: false)")
+    groups = _init_groups(
+        cfg,
+        router=router_init_range,
+        router_shared=router_shared_init_range or None,
+        expert=expert_init_range,
+        output=output_init_range,
+    )
     key_parts: list[Any] = [CHECKPOINT_RECIPE_VERSION, arch_fields, seed, init, tok_vocab]
     if groups:  # the plain recipe keeps its cache key
         key_parts.append(groups)
@@ -249,29 +240,41 @@ def build_checkpoint(
     if final.is_dir():
         return final
     tok_dir = build_tokenizer(tok_vocab, cache_dir=root)
+    recipe = {"model_config": arch_fields, "seed": seed, "initializer_range": init, "init_ranges": groups}
+    return _atomic_build(final, lambda tmp: _write_checkpoint(tmp, cfg, tok_dir, recipe))
 
-    def build(tmp: Path) -> None:
-        tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
-        if len(tok) > cfg.vocab_size:
-            raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer size {len(tok)}")
-        hf_cfg = _hf_config(hf_config_dict(cfg, eos_token_id=tok.eos_token_id, initializer_range=init))
-        # Random init on CPU in fp32 from a private generator state, then cast: deterministic per seed.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-            if groups:
-                _reinit_groups(model, groups)
-        model = model.to(torch.bfloat16)
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tok.save_pretrained(str(tmp))
-        (tmp / "megatron_acrl.json").write_text(
-            json.dumps(
-                {"model_config": arch_fields, "seed": seed, "initializer_range": init, "init_ranges": groups},
-                indent=2,
-            )
-        )
 
-    return _atomic_build(final, build)
+def _init_groups(cfg: ModelConfig, **ranges: float | None) -> dict[str, float]:
+    """The weight groups given their own init std (None: ``initializer_range``), checked against
+    the model (router / expert groups need MoE, the output group an untied head)."""
+    groups = {k: v for k, v in ranges.items() if v is not None}
+    if groups and not cfg.is_moe and set(groups) - {"output"}:
+        raise ValueError(f"router/expert init ranges need an MoE model, got family {cfg.family}")
+    if "output" in groups and cfg.tie_embeddings:
+        raise ValueError("output_init_range needs an untied LM head (tie_embeddings: false)")
+    return groups
+
+
+def _write_checkpoint(tmp: Path, cfg: ModelConfig, tok_dir: Path, recipe: dict[str, Any]) -> None:
+    """Initialise the HF model of ``cfg`` as ``recipe`` says and save it, the tokenizer and the
+    recipe (``megatron_acrl.json``) into ``tmp``."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    if len(tok) > cfg.vocab_size:
+        raise ValueError(f"model vocab_size {cfg.vocab_size} < tokenizer size {len(tok)}")
+    init, groups = recipe["initializer_range"], recipe["init_ranges"]
+    hf_cfg = _hf_config(hf_config_dict(cfg, eos_token_id=tok.eos_token_id, initializer_range=init))
+    # Random init on CPU in fp32 from a private generator state, then cast: deterministic per seed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe["seed"])
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        if groups:
+            _reinit_groups(model, groups)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "megatron_acrl.json").write_text(json.dumps(recipe, indent=2))
 
 
 def _reinit_groups(model: torch.nn.Module, groups: dict[str, float]) -> None:

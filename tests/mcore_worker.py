@@ -19,14 +19,10 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 
 from megatron_acrl.config import config_from_dict, config_to_dict  # noqa: E402
 from megatron_acrl.megatron import cpu_compat  # noqa: E402
-
-cpu_compat.apply()
-
-from megatron.core import parallel_state  # noqa: E402
-
 from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs  # noqa: E402
 
 SEED = 1234
@@ -123,7 +119,8 @@ def run_case(
 ) -> dict[str, Any]:
     """One layout: forward-only log-probs, two controller updates, one optimizer step, export."""
     from megatron_acrl.megatron import convert
-    from megatron_acrl.megatron.policy import Policy, initialize_parallel
+    from megatron_acrl.megatron.base import initialize_parallel
+    from megatron_acrl.megatron.policy import Policy
 
     t0 = time.perf_counter()
     cfg = make_config(kind, layout, bf16=bf16)
@@ -183,7 +180,7 @@ def run_critic_case(
 ) -> dict[str, Any]:
     """One layout of the PPO critic: forward-only values, one clipped value-loss step, export."""
     from megatron_acrl.megatron import critic as critic_mod
-    from megatron_acrl.megatron.policy import initialize_parallel
+    from megatron_acrl.megatron.base import initialize_parallel
 
     t0 = time.perf_counter()
     cfg = make_config(kind, layout)
@@ -296,10 +293,11 @@ def _prepared_batches(trainer: Any) -> tuple[dict, dict]:
 def _try_load(cfg: Any, ckpt: str | Path) -> str:
     """Load ``ckpt`` into a fresh Policy of ``cfg``: 'loaded', or the ConfigError's message."""
     from megatron_acrl.config import ConfigError
-    from megatron_acrl.megatron import policy as trainer_mod
+    from megatron_acrl.megatron.base import initialize_parallel
+    from megatron_acrl.megatron.policy import Policy
 
-    trainer_mod.initialize_parallel(cfg.parallel, SEED)
-    model = trainer_mod.Policy(cfg)
+    initialize_parallel(cfg.parallel, SEED)
+    model = Policy(cfg)
     try:
         model.load_checkpoint(ckpt)
         return "loaded"
@@ -314,8 +312,10 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
     """Distributed checkpoints: save under one layout, load under others (identical full weights,
     the optimizer state resharded: the next step matches), a crash inside a save leaves the last
     good checkpoint, and a checkpoint of another model is refused with the mismatched fields."""
-    from megatron_acrl.megatron import policy as trainer_mod
+    from megatron_acrl.megatron import checkpoint as checkpoint_mod
+    from megatron_acrl.megatron.base import initialize_parallel
     from megatron_acrl.megatron.critic import Critic
+    from megatron_acrl.megatron.policy import Policy
 
     root = Path(args["tmp"])
     out: dict[str, Any] = {}
@@ -323,9 +323,9 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         kind, ckpt = group["kind"], str(root / group["name"])
         save_layout = group["save"]
         cfg = make_config(kind, save_layout)
-        trainer_mod.initialize_parallel(cfg.parallel, SEED)
+        initialize_parallel(cfg.parallel, SEED)
         critic = group.get("critic", False)
-        model = Critic(cfg) if critic else trainer_mod.Policy(cfg)
+        model = Critic(cfg) if critic else Policy(cfg)
         res: dict[str, Any] = {}
         if critic:
             batch = make_batch(cfg.model.vocab_size)
@@ -343,19 +343,19 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         res["m2"] = model.train_step(second)
         res["after2"] = _weights(model)
         if group.get("crash"):  # a save of step 2 that dies after writing its shards
-            original = trainer_mod.dist_checkpointing.save
+            original = checkpoint_mod.dist_checkpointing.save
 
             def crashing(*a: Any, _save: Any = original, **k: Any) -> None:
                 _save(*a, **k)
                 raise RuntimeError("simulated crash mid-save")
 
-            trainer_mod.dist_checkpointing.save = crashing
+            checkpoint_mod.dist_checkpointing.save = crashing
             try:
                 model.save_checkpoint(ckpt)
             except RuntimeError as e:
                 res["crash"] = str(e)
             finally:
-                trainer_mod.dist_checkpointing.save = original
+                checkpoint_mod.dist_checkpointing.save = original
             res["latest_after_crash"] = json.loads((Path(ckpt) / "latest.json").read_text())
             res["dirs_after_crash"] = sorted(p.name for p in Path(ckpt).iterdir())
             model.load_checkpoint(ckpt)  # the last good one: step 1
@@ -368,8 +368,8 @@ def scenario_checkpoints(args: dict[str, Any]) -> dict[str, Any]:
         loads = {}
         for i, layout in enumerate(group["load"]):
             cfg = make_config(kind, layout)
-            trainer_mod.initialize_parallel(cfg.parallel, SEED)
-            model = Critic(cfg) if critic else trainer_mod.Policy(cfg)
+            initialize_parallel(cfg.parallel, SEED)
+            model = Critic(cfg) if critic else Policy(cfg)
             model.load_checkpoint(ckpt)
             got: dict[str, Any] = {"step": model.step, "loaded": _weights(model)}
             if not critic:
@@ -437,6 +437,7 @@ def main(scenarios: dict[str, Any] | None = None) -> None:
     """Run ``scenario_<argv[1]>`` from ``scenarios`` (default: this module's) on this gloo rank."""
     scenario, args, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo")
+    cpu_compat.apply()  # this worker is an entry point that builds models
     try:
         result = (scenarios or globals())[f"scenario_{scenario}"](args)
         torch.save(result, out_dir / f"rank_{dist.get_rank()}.pt")

@@ -16,13 +16,8 @@ from typing import Any
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
-
-from megatron_acrl.megatron import cpu_compat  # noqa: E402
-
-cpu_compat.apply()
-
 import mcore_worker as mw  # noqa: E402
+import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_acrl.config import Config  # noqa: E402
@@ -80,7 +75,8 @@ def synthetic_routing(n: int, length: int, layers: int, experts: int, k: int) ->
 
 def layout_case(case: dict[str, Any], init: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """One layout: pi_old with replay (observed own routing), routing metrics, one step."""
-    from megatron_acrl.megatron.policy import Policy, initialize_parallel
+    from megatron_acrl.megatron.base import initialize_parallel
+    from megatron_acrl.megatron.policy import Policy
 
     base = mw.make_config("moe", case["layout"])
     cfg = _with(base, replay=case["replay"], recompute=case.get("recompute", "none"))
@@ -129,9 +125,10 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
 
 def scenario_sglang(args: dict[str, Any]) -> dict[str, Any]:
     """Trainer log-probs of a batch SGLang generated, replay off vs rollout, per layout."""
-    from megatron_acrl.config import load_config
-    from megatron_acrl.megatron.policy import Policy, initialize_parallel
     from megatron_acrl.batch import RolloutBatch
+    from megatron_acrl.config import load_config
+    from megatron_acrl.megatron.base import initialize_parallel
+    from megatron_acrl.megatron.policy import Policy
 
     batch = RolloutBatch.load(args["batch"])
     results: dict[str, Any] = {}

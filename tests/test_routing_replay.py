@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_acrl.batch import RolloutBatch, build_batch
 from megatron_acrl.config import ConfigError, load_config
 from megatron_acrl.megatron.routing_replay import (
     ObservedRouterReplay,
@@ -20,7 +21,6 @@ from megatron_acrl.megatron.routing_replay import (
     routing_mismatch_metrics,
     routing_mismatch_sums,
 )
-from megatron_acrl.batch import RolloutBatch, build_batch
 from sglang_bridge.client import decode_routed_experts
 from sglang_bridge.cpu_compat import HOOKS_ENV, R3_HOOK_DIR, STAND_IN_DIR
 from sglang_bridge.server import ServerSpec

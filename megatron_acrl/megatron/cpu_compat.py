@@ -7,13 +7,31 @@ DDP / distributed-optimizer code paths run on a CUDA-less host with the gloo bac
 tests exercise the same Megatron code the GPU run uses.
 
 Rules:
-  * :func:`apply` is idempotent and does nothing when CUDA is available: on a GPU, behaviour is never
-    changed.
-  * Call it in every rank before the first model is built (``megatron_acrl.megatron.model`` does).
+  * Nothing is patched at import. The entry point that builds a model calls :func:`apply` once per
+    process, before :func:`~megatron_acrl.megatron.base.initialize_parallel`:
+    ``megatron_acrl.distributed.init_distributed`` (driver, SFT warm start, study runs), the test
+    workers and ``benchmarks/logprob.py``. :func:`require` (called by ``initialize_parallel`` and
+    ``model.build_model_chunks``) turns a forgotten call into a clear error instead of a CUDA error
+    deep inside Megatron.
+  * :func:`apply` runs the table :data:`PATCHES` in order, is idempotent and does nothing when CUDA
+    is available: on a GPU, behaviour is never changed.
   * Line numbers refer to megatron-core 0.16.1 (``megatron/core/...``).
 
-Each patch says which megatron-core site needs it; ``docs/trainer.md`` summarises them and what newer
-megatron-core releases change.
+Import order (why :func:`apply` may run after ``megatron.core`` is imported). Every patch replaces an
+attribute that megatron-core looks up when it *calls* it, never one it copies at import:
+``torch.cuda.current_device`` / ``synchronize`` / ``Stream`` / ... are called as ``torch.cuda.X(...)``
+(megatron-core 0.16.1 has no ``from torch.cuda import``); the replaced megatron functions
+(``mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``, ``random._get_cuda_rng_state``
+/ ``_set_cuda_rng_state``, ``moe_utils.te_general_gemm``) are called through their own module's
+globals; ``maybe_move_tensor_to_cpu``, the one name imported elsewhere (``token_dispatcher``), is
+replaced in both modules; ``WrappedTorchNorm``, ``CheckpointFunction`` and ``DistributedOptimizer``
+are patched on the class objects every importer shares. The exceptions: P0 must run before the first
+``import megatron.core`` (megatron-core >= 0.17 only; a no-op on 0.16.1), and P4's function mode is
+entered on the calling thread, so :func:`apply` must be called on the thread that trains (the main
+thread; CPU autograd runs backward on the calling thread).
+
+Each patch is one function below, named for what it does, with the megatron-core site that needs
+it; ``docs/trainer.md`` summarises them and what newer megatron-core releases change.
 """
 
 from __future__ import annotations
@@ -24,13 +42,15 @@ import importlib.util
 import logging
 import sys
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["apply", "is_applied", "needed"]
+__all__ = ["PATCHES", "Patch", "apply", "is_applied", "needed", "require"]
 
 _applied = False
+"""Whether :func:`apply` patched this process: the one record of the process-wide patch state."""
 
 
 def needed() -> bool:
@@ -41,6 +61,16 @@ def needed() -> bool:
 def is_applied() -> bool:
     """True once :func:`apply` has patched this process."""
     return _applied
+
+
+def require() -> None:
+    """Raise a RuntimeError naming :func:`apply` when this CUDA-less process has not been patched."""
+    if needed() and not _applied:
+        raise RuntimeError(
+            "megatron-core needs the CPU/gloo patches on this host without CUDA: call "
+            "megatron_acrl.megatron.cpu_compat.apply() once per process before initialize_parallel() "
+            "or building a model (megatron_acrl.distributed.init_distributed does)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +173,12 @@ class _Stream:
         return 0
 
 
-def _stub_triton_only_modules() -> None:
+# --------------------------------------------------------------------------------------------
+# The patches, in the order apply() runs them
+# --------------------------------------------------------------------------------------------
+
+
+def _stub_paged_stash() -> None:
     """P0 (megatron-core >= 0.17 only): schedules.py imports transformer/moe/paged_stash.py, whose
     kernels module (moe/ops/paged_stash.py) does an unconditional ``import triton``; CPU torch ships no
     triton. Stub that kernels-only module; a no-op on 0.16.1 and wherever triton is installed."""
@@ -162,32 +197,32 @@ def _stub_triton_only_modules() -> None:
     sys.modules[name] = mod
 
 
-def apply() -> bool:
-    """Patch torch.cuda / megatron-core for CPU + gloo (idempotent). Returns True if patches are active.
-
-    Does nothing (and returns False) when CUDA is available.
-    """
-    global _applied
-    if _applied:
-        return True
-    if not needed():
-        return False
-    _stub_triton_only_modules()
-
-    # P1 torch.cuda.current_device() is used as ``device=`` at ~175 sites, first hit in a forward at
-    #    utils.py:631 (GlobalMemoryBuffer.get_tensor from dot_product_attention.py:189); also
-    #    tensor_parallel/mappings.py:91-181, layers.py:552, pipeline_parallel/p2p_communication.py:190-321.
+def _current_device_is_cpu() -> None:
+    """P1 torch.cuda.current_device() is used as ``device=`` at ~175 sites, first hit in a forward at
+    utils.py:631 (GlobalMemoryBuffer.get_tensor from dot_product_attention.py:189); also
+    tensor_parallel/mappings.py:91-181, layers.py:552, pipeline_parallel/p2p_communication.py:190-321."""
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
 
-    # P2 torch.cuda.synchronize() after every PP send/recv (p2p_communication.py:242,398) and in
-    #    parallel_state.py:198. CPU collectives are synchronous already.
+
+def _synchronize_is_noop() -> None:
+    """P2 torch.cuda.synchronize() after every PP send/recv (p2p_communication.py:242,398) and in
+    parallel_state.py:198. CPU collectives are synchronous already."""
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
-    # P3 RNG tracker. model_parallel_cuda_manual_seed -> CudaRNGStatesTracker.add
-    #    (tensor_parallel/random.py:235) reads torch.cuda.get_rng_state, and every attention forward
-    #    forks the tracker (dot_product_attention.py:217 raises "model-parallel-rng is not added" even
-    #    with dropout 0). Track the CPU default generator instead: same fork semantics (TP-region dropout
-    #    differs per TP rank, replicated regions stay identical).
+
+class _DropForkWarning(logging.Filter):
+    """The RNG tracker's fork() logs this on every call once it tracks the CPU generator (P3)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _rng_tracker_on_cpu_generator() -> None:
+    """P3 RNG tracker. model_parallel_cuda_manual_seed -> CudaRNGStatesTracker.add
+    (tensor_parallel/random.py:235) reads torch.cuda.get_rng_state, and every attention forward
+    forks the tracker (dot_product_attention.py:217 raises "model-parallel-rng is not added" even
+    with dropout 0). Track the CPU default generator instead: same fork semantics (TP-region dropout
+    differs per TP rank, replicated regions stay identical)."""
     import megatron.core.tensor_parallel.random as mrandom
 
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
@@ -198,15 +233,13 @@ def apply() -> bool:
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
     # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which would recurse into this.
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # type: ignore
-
-    class _DropForkWarning(logging.Filter):  # fork() logs this on every call once the CPU RNG is tracked
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
-
     logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
 
-    # P5 CUDA streams/events: MoEAlltoAllTokenDispatcher.__init__ (moe/token_dispatcher.py:445) creates
-    #    torch.cuda.Stream(), :871-873 current_stream/wait_stream/event.synchronize; shared_experts.py:123.
+
+def _fake_streams() -> None:
+    """P5 CUDA streams/events: MoEAlltoAllTokenDispatcher.__init__ (moe/token_dispatcher.py:445)
+    creates torch.cuda.Stream(), :871-873 current_stream/wait_stream/event.synchronize;
+    shared_experts.py:123."""
     default_stream = _Stream()
     torch.cuda.Stream = _Stream  # type: ignore[misc,assignment]
     torch.cuda.Event = _Event  # type: ignore[misc,assignment]
@@ -214,30 +247,39 @@ def apply() -> bool:
     torch.cuda.default_stream = lambda device=None: default_stream  # type: ignore[assignment]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
 
-    # P6 0.16.1 bug (also on GPU without Transformer Engine): moe/moe_utils.py:1192 references
-    #    ``te_general_gemm``, imported only when transformer_engine is installed (line 34) -> NameError
-    #    in every router forward. Fixed upstream by 0.19.
+
+def _define_te_general_gemm() -> None:
+    """P6 0.16.1 bug (also on GPU without Transformer Engine): moe/moe_utils.py:1192 references
+    ``te_general_gemm``, imported only when transformer_engine is installed (line 34) -> NameError
+    in every router forward. Fixed upstream by 0.19."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
-    # P7 the alltoall dispatcher converts split sizes to numpy only if ``tensor.is_cuda``
-    #    (moe_utils.py:1093 maybe_move_tensor_to_cpu); CPU tensors stay tensors and
-    #    all_to_all_single (tensor_parallel/mappings.py:444) rejects them with a TypeError.
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
-    def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        return tensor.cpu().numpy() if (torch.is_tensor(tensor) and as_numpy) else tensor
+def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    return tensor.cpu().numpy() if (torch.is_tensor(tensor) and as_numpy) else tensor
+
+
+def _split_sizes_as_numpy() -> None:
+    """P7 the alltoall dispatcher converts split sizes to numpy only if ``tensor.is_cuda``
+    (moe_utils.py:1093 maybe_move_tensor_to_cpu); CPU tensors stay tensors and all_to_all_single
+    (tensor_parallel/mappings.py:444) rejects them with a TypeError. token_dispatcher imports the
+    function by name, so both modules get the replacement."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
     moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
 
-    # P8 sequence parallel with the local spec: transformer/torch_norm.py:32 asserts
-    #    ``not config.sequence_parallel``. SP is mandatory for MoE with TP > 1 (moe_layer.py:380). Build
-    #    the torch norm anyway and tag its parameters ``sequence_parallel=True`` so finalize_model_grads
-    #    (distributed/finalize_model_grads.py:354) all-reduces their grads over TP, exactly as it does for
-    #    the TE norms used on GPU.
+
+def _torch_norm_under_sequence_parallel() -> None:
+    """P8 sequence parallel with the local spec: transformer/torch_norm.py:32 asserts
+    ``not config.sequence_parallel``. SP is mandatory for MoE with TP > 1 (moe_layer.py:380). Build
+    the torch norm anyway and tag its parameters ``sequence_parallel=True`` so finalize_model_grads
+    (distributed/finalize_model_grads.py:354) all-reduces their grads over TP, exactly as it does for
+    the TE norms used on GPU."""
     import megatron.core.transformer.torch_norm as torch_norm
 
     original_new = torch_norm.WrappedTorchNorm.__new__
@@ -254,10 +296,12 @@ def apply() -> bool:
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_norm_new)  # type: ignore[assignment]
 
-    # P9 gloo has no uneven all_gather / reduce_scatter (lists of different sizes). The alltoall
-    #    dispatcher with expert-TP > 1 uses them (tensor_parallel/mappings.py:150 and :194 ->
-    #    "ProcessGroupGloo::allgather: invalid tensor size"). Emulate: pad-to-max all_gather, and
-    #    all_reduce + slice.
+
+def _uneven_gloo_collectives() -> None:
+    """P9 gloo has no uneven all_gather / reduce_scatter (lists of different sizes). The alltoall
+    dispatcher with expert-TP > 1 uses them (tensor_parallel/mappings.py:150 and :194 ->
+    "ProcessGroupGloo::allgather: invalid tensor size"). Emulate: pad-to-max all_gather, and
+    all_reduce + slice."""
     import megatron.core.tensor_parallel.mappings as mappings
 
     gather_even, reduce_scatter_even = (
@@ -286,64 +330,72 @@ def apply() -> bool:
     mappings._gather_along_first_dim = _gather_along_first_dim
     mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
-    # P10 distributed-optimizer checkpoints with torch's Adam (no Apex / Transformer Engine, so
-    #    ``HAVE_APEX_OR_TE`` is False: always on CPU). Two 0.16.1 gaps in optimizer/distrib_optimizer.py:
-    #    (a) ``state_dict`` (:641) asserts that the per-parameter Adam state holds a 'step', so a
-    #        never-stepped optimizer (a resume in a new process) cannot build the sharded state dict
-    #        it loads into. Give it zero state and step 0 first: what Adam would create lazily on its
-    #        first step (so a later first step is unchanged), and overwritten by any load.
-    #    (b) ``load_state_dict`` puts the param groups' step into every parameter's state (:826); the
-    #        fully_reshardable / fully_sharded_model_space loaders skip 'step' in what they read, but
-    #        ``_set_main_param_and_optimizer_states`` (:938) copies every key of the destination
-    #        -> KeyError 'step'. Copy only what the loader provides; the step is already restored.
-    #    (c) that restored step is *one* tensor shared by every parameter's state (:826); torch's Adam
-    #        increments each parameter's step in place, so after a load the first step counts it once
-    #        per parameter and the bias corrections go wrong (a resumed run drifts: measured 0.8x of
-    #        the update off). Give every parameter its own copy.
+
+def _distributed_optimizer_checkpoints() -> None:
+    """P10 distributed-optimizer checkpoints with torch's Adam (no Apex / Transformer Engine, so
+    ``HAVE_APEX_OR_TE`` is False: always on CPU). Gaps of 0.16.1 in optimizer/distrib_optimizer.py:
+
+    (a) ``state_dict`` (:641) asserts that the per-parameter Adam state holds a 'step', so a
+        never-stepped optimizer (a resume in a new process) cannot build the sharded state dict
+        it loads into. Give it zero state and step 0 first: what Adam would create lazily on its
+        first step (so a later first step is unchanged), and overwritten by any load.
+    (b) ``load_state_dict`` puts the param groups' step into every parameter's state (:826); the
+        fully_reshardable / fully_sharded_model_space loaders skip 'step' in what they read, but
+        ``_set_main_param_and_optimizer_states`` (:938) copies every key of the destination
+        -> KeyError 'step'. Copy only what the loader provides; the step is already restored.
+    (c) that restored step is *one* tensor shared by every parameter's state (:826); torch's Adam
+        increments each parameter's step in place, so after a load the first step counts it once
+        per parameter and the bias corrections go wrong (a resumed run drifts: measured 0.8x of
+        the update off). Give every parameter its own copy.
+    """
     from megatron.core.optimizer import distrib_optimizer as dopt
 
-    if not dopt.HAVE_APEX_OR_TE:
-        original_state_dict = dopt.DistributedOptimizer.state_dict
-        original_set_states = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    cls = dopt.DistributedOptimizer
+    original_state_dict, original_load_state_dict = cls.state_dict, cls.load_state_dict
+    original_set_states = cls._set_main_param_and_optimizer_states
 
-        def _state_dict(self: Any) -> Any:
-            inner = self.optimizer
-            if not inner.state and self.init_state_fn is not None:
-                self.init_state_fn(inner, self.config)
-                for group in inner.param_groups:
-                    for p in group["params"]:
-                        inner.state[p]["step"] = torch.tensor(0.0)
-            return original_state_dict(self)
+    def _state_dict(self: Any) -> Any:  # (a)
+        inner = self.optimizer
+        if not inner.state and self.init_state_fn is not None:
+            self.init_state_fn(inner, self.config)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.tensor(0.0)
+        return original_state_dict(self)
 
-        def _set_states(self: Any, model_param: Any, tensors: dict) -> None:
-            if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                return original_set_states(self, model_param, tensors)
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-            step = state.pop("step", None)
-            try:
-                original_set_states(self, model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
+    def _set_states(self: Any, model_param: Any, tensors: dict) -> None:  # (b)
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            original_set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
 
-        original_load_state_dict = dopt.DistributedOptimizer.load_state_dict
+    def _load_state_dict(self: Any, state_dict: Any) -> None:  # (c)
+        original_load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
 
-        def _load_state_dict(self: Any, state_dict: Any) -> None:
-            original_load_state_dict(self, state_dict)
-            for state in self.optimizer.state.values():
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].clone()
+    cls.state_dict = _state_dict  # type: ignore[method-assign]
+    cls.load_state_dict = _load_state_dict  # type: ignore[method-assign]
+    cls._set_main_param_and_optimizer_states = _set_states  # type: ignore[method-assign]
 
-        dopt.DistributedOptimizer.state_dict = _state_dict  # type: ignore[method-assign]
-        dopt.DistributedOptimizer.load_state_dict = _load_state_dict  # type: ignore[method-assign]
-        dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_states  # type: ignore[method-assign]
 
-    # P11 activation recompute (training.activation_recompute; MoE routing replay's REPLAY_BACKWARD):
-    #     tensor_parallel/random.py CheckpointFunction.backward re-runs the layer's forward inside
-    #     autograd's backward, where the P4 mode is not active (torch function modes are not carried
-    #     into the backward pass), so transformer/utils.py:35 builds its causal mask on "cuda".
-    #     Re-enter the mode around the recompute.
+def _device_literals_in_recompute() -> None:
+    """P11 activation recompute (training.activation_recompute; MoE routing replay's REPLAY_BACKWARD):
+    tensor_parallel/random.py CheckpointFunction.backward re-runs the layer's forward inside
+    autograd's backward, where the P4 mode is not active (torch function modes are not carried into
+    the backward pass), so transformer/utils.py:35 builds its causal mask on "cuda". Re-enter the
+    mode around the recompute."""
+    import megatron.core.tensor_parallel.random as mrandom
+
     original_ckpt_backward = mrandom.CheckpointFunction.backward
 
     def _ckpt_backward(ctx: Any, *grads: Any) -> Any:
@@ -352,8 +404,53 @@ def apply() -> bool:
 
     mrandom.CheckpointFunction.backward = staticmethod(_ckpt_backward)  # type: ignore[method-assign]
 
-    # P4 (see _CudaLiteralsToCpu): entered for the rest of the process on this thread.
+
+def _device_literals_to_cpu() -> None:
+    """P4 (see :class:`_CudaLiteralsToCpu`): entered for the rest of the process on this thread."""
     _CudaLiteralsToCpu().__enter__()
 
+
+# --------------------------------------------------------------------------------------------
+# The table and its runner
+# --------------------------------------------------------------------------------------------
+
+
+class Patch(NamedTuple):
+    """One named patch: its number in ``docs/trainer.md`` and the function that applies it."""
+
+    id: str
+    apply: Callable[[], None]
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("P0", _stub_paged_stash),
+    Patch("P1", _current_device_is_cpu),
+    Patch("P2", _synchronize_is_noop),
+    Patch("P3", _rng_tracker_on_cpu_generator),
+    Patch("P5", _fake_streams),
+    Patch("P6", _define_te_general_gemm),
+    Patch("P7", _split_sizes_as_numpy),
+    Patch("P8", _torch_norm_under_sequence_parallel),
+    Patch("P9", _uneven_gloo_collectives),
+    Patch("P10", _distributed_optimizer_checkpoints),
+    Patch("P11", _device_literals_in_recompute),
+    Patch("P4", _device_literals_to_cpu),  # last: the mode stays entered on this thread
+)
+"""Every patch, in the order :func:`apply` runs them."""
+
+
+def apply() -> bool:
+    """Patch torch.cuda / megatron-core for CPU + gloo (idempotent). Returns True if patches are active.
+
+    Does nothing (and returns False) when CUDA is available. Call it once per process, on the
+    thread that trains, before ``initialize_parallel`` (see the module docstring).
+    """
+    global _applied
+    if _applied:
+        return True
+    if not needed():
+        return False
+    for patch in PATCHES:
+        patch.apply()
     _applied = True
     return True

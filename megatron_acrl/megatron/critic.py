@@ -1,9 +1,10 @@
 """The PPO critic: a Megatron-Core GPT model whose output layer is a scalar value head.
 
 Same process groups and parallel layout as the policy :class:`~megatron_acrl.megatron.policy.Policy`
-(TP / SP / PP / VPP / DP / EP and MoE), built and driven by the same :class:`MegatronModel` machinery
-(DDP, optimizer, LR schedule, micro-batching, pipeline schedule, HF weights, checkpoint files), and
-initialised from the same HF weights (:meth:`Critic.load_hf`).
+(TP / SP / PP / VPP / DP / EP and MoE), built and driven by the same
+:class:`~megatron_acrl.megatron.base.ModelTrainer` machinery (DDP, optimizer, LR schedule,
+micro-batching, pipeline schedule, HF weights, distributed checkpoints), and initialised from the
+same HF weights (:meth:`Critic.load_hf`).
 
 The value head (:class:`ValueHead`) replaces ``GPTModel.output_layer`` on the last pipeline stage:
 
@@ -43,25 +44,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_acrl.config import Config
-from megatron_acrl.megatron import cpu_compat
-
-cpu_compat.apply()  # before any megatron.core model code runs; a no-op on a GPU host
-
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from megatron_acrl.megatron.loss_adapter import LossFn, ValueLossAdapter  # noqa: E402
-from megatron_acrl.megatron.model import build_model_chunks, unwrap  # noqa: E402
-from megatron_acrl.megatron.policy import MegatronModel, save_step_atomically  # noqa: E402
+from megatron_acrl.megatron.base import ModelTrainer
+from megatron_acrl.megatron.checkpoint import save_step_atomically
+from megatron_acrl.megatron.loss_adapter import LossFn, ValueLossAdapter
+from megatron_acrl.megatron.model import build_model_chunks, unwrap
 
 __all__ = ["HEAD_NAME", "HF_HEAD_NAME", "VALUE_KEYS", "Critic", "ValueHead"]
 
@@ -109,7 +106,7 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
-class Critic(MegatronModel):
+class Critic(ModelTrainer):
     """Megatron-Core value model for PPO (see the module docstring for the head and conventions).
 
     Args:
@@ -187,7 +184,7 @@ class Critic(MegatronModel):
             return [(HF_HEAD_NAME, full)]
         return super()._to_hf(name, full)
 
-    def _from_hf(self, name: str, get) -> torch.Tensor:  # noqa: ANN001 - get(hf_name) -> tensor
+    def _from_hf(self, name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
         if name != HEAD_NAME:
             return super()._from_hf(name, get)
         try:

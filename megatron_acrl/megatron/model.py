@@ -19,22 +19,19 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from megatron_acrl.config import ModelConfig, ParallelConfig
-from megatron_acrl.megatron import cpu_compat
-
-cpu_compat.apply()  # before any megatron.core model code runs; a no-op on a GPU host
-
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer.enums import ModelType  # noqa: E402
-from megatron.core.transformer.module import Float16Module  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_acrl.config import ModelConfig, ParallelConfig
+from megatron_acrl.megatron import cpu_compat
 
 __all__ = [
     "build_model_chunks",
@@ -160,8 +157,10 @@ def build_model_chunks(
 
     Not yet DDP-wrapped (the trainer does that; a reference model stays unwrapped). Parameters are
     randomly initialised with Megatron's init (``training.seed`` via the RNG tracker); load real
-    weights with ``Policy.load_hf``.
+    weights with ``Policy.load_hf``. On a host without CUDA, :func:`cpu_compat.apply` must have run
+    (RuntimeError naming it otherwise).
     """
+    cpu_compat.require()
     pp_rank = pg_collection.pp.rank()
     pp_size = pg_collection.pp.size()
     vpp = parallel.vpp or 1

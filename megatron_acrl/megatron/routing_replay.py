@@ -37,14 +37,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
-
-from megatron_acrl.megatron import cpu_compat
-
-cpu_compat.apply()
-
-from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 __all__ = [
     "ObservedRouterReplay",

@@ -1,0 +1,314 @@
+"""Megatron distributed checkpoints and the atomic commit of a training step.
+
+Two halves:
+
+* One model's distributed checkpoint (``torch_dist`` backend of ``megatron.core.dist_checkpointing``,
+  reshardable over TP / PP / VPP / EP / DP): the sharded-state metadata, :func:`save_dist` /
+  :func:`load_dist` (fully parallel over the DP x CP group), the compatibility check that refuses
+  another model's checkpoint before any tensor is read (:func:`checkpoint_meta`,
+  :func:`check_compatible`), and :func:`load_chunks`.
+* The step directory and its commit: :func:`save_step_atomically` writes every part of a step
+  (policy, critic, driver) into ``.tmp-step_<n>/``, fsyncs, renames and replaces ``latest.json``;
+  :func:`resolve_step_dir` finds the committed step.
+
+What goes *into* a model's sharded state dict (chunks, optimizer, schedule, controller) is the
+model's own (``base.ModelTrainer.sharded_state_dict`` and its subclasses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+
+from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.megatron.model import unwrap
+
+__all__ = [
+    "CHECKPOINT_BACKEND",
+    "check_compatible",
+    "checkpoint_meta",
+    "load_chunks",
+    "load_common_state",
+    "load_dist",
+    "resolve_step_dir",
+    "save_dist",
+    "save_step_atomically",
+    "sharded_metadata",
+]
+
+CHECKPOINT_BACKEND = "torch_dist"
+
+_CHECKPOINT_MODEL_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "qk_layernorm",
+    "add_qkv_bias",
+    "tie_embeddings",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_ffn_hidden_size",
+    "params_dtype",
+)
+"""Model fields that fix a checkpointed tensor's global shape or dtype (or its presence)."""
+
+
+# --------------------------------------------------------------------------------------------
+# One model's distributed checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def sharded_metadata(dp_cp_group: dist.ProcessGroup) -> dict[str, Any]:
+    """Metadata steering ``sharded_state_dict`` of the model and the optimizer."""
+    return {
+        # The distributed optimizer's state in the canonical per-parameter layout (gathered over DP
+        # on save, sliced on load), so it reshards over TP, PP, EP and DP like the weights.
+        # 'dp_reshardable' would be fully parallel but tied to this TP x PP layout.
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "chained_optim_avoid_prefix": True,
+        "singleton_local_shards": False,
+        "dp_cp_group": dp_cp_group,
+    }
+
+
+def checkpoint_meta(cfg: Config, kind: str, optimizer: Any, dp_size: int) -> dict[str, Any]:
+    """What a checkpoint must agree on to be loadable: the tensors' global shapes and dtypes
+    (model fields), the optimizer format and the model kind; the layout is informational."""
+    m, p = cfg.model, cfg.parallel
+    return {
+        "kind": kind,
+        "model": {k: getattr(m, k) for k in _CHECKPOINT_MODEL_FIELDS},
+        "distributed_optimizer": p.distributed_optimizer,
+        # Megatron chains a second optimizer for expert-parallel parameters; the optimizer's
+        # common state is one entry per chained optimizer, so the count must not change.
+        "optimizers": len(getattr(optimizer, "chained_optimizers", [optimizer])),
+        "layout": {
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "ep": p.ep,
+            "dp": dp_size,
+            "distributed_optimizer": p.distributed_optimizer,
+            "world": dist.get_world_size(),
+        },
+    }
+
+
+def save_dist(state: dict[str, Any], path: str | os.PathLike, dp_cp_group: dist.ProcessGroup) -> None:
+    """Write a sharded state dict as a distributed checkpoint into ``path`` (all ranks call it).
+
+    ``torch_dist`` backend (``torch.distributed.checkpoint`` files, fsynced); replicated shards
+    are spread over the DP ranks (fully parallel save), each shard is written once.
+    """
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(CHECKPOINT_BACKEND), dp_cp_group
+    )
+    dist_checkpointing.save(state, str(path), strategy)
+
+
+def load_dist(
+    state: dict[str, Any], path: str | os.PathLike, dp_cp_group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """Read the distributed checkpoint ``path`` into the (``is_loading``) sharded state dict
+    ``state``, under any TP/PP/VPP/EP/DP layout; returns the loaded state dict."""
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), dp_cp_group)
+    return dist_checkpointing.load(state, str(path), strategy)
+
+
+def load_common_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The common (rank 0, non-sharded) state of the distributed checkpoint ``path``."""
+    return dist_checkpointing.load_common_state_dict(str(path))
+
+
+def load_chunks(model: list[torch.nn.Module], loaded: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Copy ``loaded["chunk<i>"]`` into each model chunk; RuntimeError on missing/unexpected keys."""
+    for i, chunk in enumerate(model):
+        missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=False)
+        # Only Megatron's (empty, local-spec) ``_extra_state`` entries may be absent.
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: chunk {i} missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+_FRESH_HINT = (
+    "set it to the checkpoint's value to resume, or point training.checkpoint_dir at a new "
+    "directory (or set training.resume=false) to start fresh"
+)
+
+
+def check_compatible(path: str | os.PathLike, mine: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint that another model wrote, before any tensor is read.
+
+    ``mine`` is this run's :func:`checkpoint_meta`. Raises FileNotFoundError when ``path`` is no
+    distributed checkpoint, ConfigError naming every mismatched field (model, optimizer format,
+    chained optimizers, model kind) with the values on both sides and the fix.
+    """
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(
+            f"{path} is not a distributed checkpoint (no metadata.json): the step directory is "
+            f"incomplete or has no {mine['kind']} state (a PPO critic needs a checkpoint of a PPO run)"
+        )
+    saved = load_common_state(path).get("acrl_meta")
+    if saved is None:
+        raise ConfigError([("training.checkpoint_dir", f"{path} was not written by megatron-acrl")])
+    errors = [
+        (f"model.{k}", f"checkpoint {path} has {saved['model'].get(k)!r}, this run {v!r}; {_FRESH_HINT}")
+        for k, v in mine["model"].items()
+        if saved["model"].get(k) != v
+    ]
+    if saved["distributed_optimizer"] != mine["distributed_optimizer"]:
+        errors.append(
+            (
+                "parallel.distributed_optimizer",
+                f"checkpoint {path} has {saved['distributed_optimizer']}, this run "
+                f"{mine['distributed_optimizer']} (optimizer state formats differ); {_FRESH_HINT}",
+            )
+        )
+    if saved.get("optimizers", mine["optimizers"]) != mine["optimizers"]:
+        errors.append(
+            (
+                "parallel.ep",
+                f"checkpoint {path} was written with {saved['optimizers']} chained optimizer(s) "
+                f"(layout {saved['layout']}), this run has {mine['optimizers']}: Megatron gives "
+                "expert parameters their own optimizer only under expert parallelism, so EP=1 and "
+                "EP>1 checkpoints do not exchange optimizer state; keep parallel.ep on the same side "
+                "of 1, or export the weights (--export-hf) and start from them with model.hf_path",
+            )
+        )
+    if saved["kind"] != mine["kind"]:
+        errors.append(("", f"{path} holds a {saved['kind']} model, not a {mine['kind']}"))
+    if errors:
+        raise ConfigError(errors)
+
+
+# --------------------------------------------------------------------------------------------
+# The step directory and its atomic commit
+# --------------------------------------------------------------------------------------------
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root``): what rank 0 wrote (common
+    state, metadata, the driver's file) is otherwise only in the page cache; the ``.distcp`` shards
+    were fsynced by their writers already, a second fsync costs nothing."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, step: int, name: str) -> None:
+    latest = root / "latest.json"
+    tmp = root / f".latest.json.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"step": step, "dir": name}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+    _fsync_dir(root)
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int) -> None:
+    """Rank 0: fsync ``tmp``, rename it to ``final`` (moving a previous ``final`` aside until the
+    rename is done), then replace ``latest.json``: the commit point."""
+    _fsync_tree(tmp)
+    trash = None
+    if final.exists():  # saved before (uncommitted, or committed and now superseded)
+        trash = root / f".trash-{final.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(final, trash)  # resolve_step_dir falls back to it until the next rename
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_latest(root, step, final.name)
+    if trash is not None:
+        shutil.rmtree(trash)
+
+
+def save_step_atomically(
+    directory: str | os.PathLike, step: int, writers: Sequence[Callable[[Path], None]]
+) -> Path:
+    """Write a checkpoint of ``step`` so that a crash at any point leaves the last good one loadable.
+
+    Every rank calls it. The writers fill ``directory/.tmp-step_<n>/`` (each is called on every
+    rank with that path); then rank 0 fsyncs the tree, renames it to ``step_<n>/`` and replaces
+    ``latest.json`` (temporary file, fsync, ``os.replace``, fsync of the directory): the commit
+    point. A crash before the rename leaves only a ``.tmp-`` directory (removed by the next save);
+    one between the rename and ``latest.json`` leaves an uncommitted ``step_<n>/`` that
+    ``latest.json`` does not name (replaced by the next save of that step). Returns ``step_<n>/``.
+    """
+    root = Path(directory)
+    final, tmp = root / _step_name(step), root / f".tmp-{_step_name(step)}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        if tmp.exists():  # a crashed save of the same step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    for write in writers:
+        write(tmp)
+    dist.barrier()  # every rank's files are complete
+    if rank0:
+        _commit(root, tmp, final, step)
+    dist.barrier()
+    return final
+
+
+def resolve_step_dir(directory: str | os.PathLike, step: int | None = None) -> Path | None:
+    """``directory/step_<step>`` or, with ``step=None``, the step directory ``latest.json`` names
+    (None when there is no ``latest.json``: nothing was ever committed there)."""
+    root = Path(directory)
+    if step is None:
+        latest = root / "latest.json"
+        if not latest.exists():
+            return None
+        name = json.loads(latest.read_text())["dir"]
+    else:
+        name = _step_name(step)
+    found = root / name
+    if not found.exists() and (root / f".trash-{name}").exists():
+        return root / f".trash-{name}"  # a crash mid-replacement of the same step (see above)
+    if not found.exists():
+        raise FileNotFoundError(f"{found} is missing: checkpoint {name} was removed or never committed")
+    return found
