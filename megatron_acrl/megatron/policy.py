@@ -62,12 +62,13 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_acrl.correction import (  # noqa: E402
     AcrlController,
+    MismatchTensors,
     acrl_discrepancy_stats,
-    all_reduce_partials,
     combine_partials,
     finalize_metrics,
 )
 from megatron_acrl.megatron import convert  # noqa: E402
+from megatron_acrl.megatron.collectives import all_reduce_partials  # noqa: E402
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn  # noqa: E402
 from megatron_acrl.megatron.routing_replay import (  # noqa: E402
     RoutingReplay,
@@ -822,9 +823,12 @@ class Policy(MegatronModel):
             per_rank = n // self.dp_size
             sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
             stats = acrl_discrepancy_stats(
-                batch["old_logprobs"][sl].float(),
-                batch["rollout_logprobs"][sl].float(),
-                batch["loss_mask"][sl],
+                MismatchTensors(
+                    batch["old_logprobs"][sl].float(),
+                    batch["rollout_logprobs"][sl].float(),
+                    batch["loss_mask"][sl],
+                    fused=self.adapter.fused,
+                ),
                 self.cfg.correction.distance,
             )
             dist.all_reduce(stats, group=self.pg.dp)
