@@ -1,7 +1,8 @@
 """The correction work of one rollout batch, as both benchmarks time it.
 
 Shared intermediates once; controller statistics and update, ACRL weights, every mismatch and weight
-metric, and the one host synchronisation that turns them into floats.
+metric, and the one host synchronisation that turns them into floats. The kernel is
+``cfg.kernel`` resolved for the tensors' device, as the trainer's loss adapter resolves it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megatron_acrl.correction import (
     acrl_discrepancy_stats,
     compute_correction,
     finalize_metrics,
+    fused_cpu,
     mismatch_metrics,
 )
 
@@ -30,21 +32,8 @@ def correction_pass(
     num_seqs: int,
 ) -> dict[str, float]:
     """Everything the correction costs per batch (``[B, T]`` inputs); returns the final metrics."""
-    shared = MismatchTensors(old, roll, mask)
-    sig = ctl.update(acrl_discrepancy_stats(None, None, None, cfg.distance, shared=shared))
-    corr = compute_correction(
-        cfg,
-        None,
-        None,
-        None,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        advantages=adv,
-        acrl=sig,
-        shared=shared,
-    )
-    parts = {
-        **corr.metrics,
-        **mismatch_metrics(None, None, None, num_tokens=num_tokens, num_seqs=num_seqs, shared=shared),
-    }
+    shared = MismatchTensors(old, roll, mask, fused=fused_cpu.resolve_kernel(cfg.kernel, old.device))
+    sig = ctl.update(acrl_discrepancy_stats(shared, cfg.distance))
+    corr = compute_correction(cfg, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=adv, acrl=sig)
+    parts = {**corr.metrics, **mismatch_metrics(shared, num_tokens=num_tokens, num_seqs=num_seqs)}
     return finalize_metrics(parts)

@@ -21,7 +21,7 @@ import torch
 from _correction_pass import correction_pass
 
 from megatron_acrl.config import CorrectionConfig
-from megatron_acrl.correction import AcrlController, acrl_discrepancy_stats
+from megatron_acrl.correction import AcrlController, MismatchTensors, acrl_discrepancy_stats, fused_cpu
 
 
 def main() -> None:
@@ -44,7 +44,8 @@ def main() -> None:
     adv = torch.randn(b, 1, device=dev).expand(b, t)
     cfg = CorrectionConfig(method="acrl", gamma=0.65)
     ctl = AcrlController(cfg)
-    ctl.update(acrl_discrepancy_stats(old, roll * 1.01, mask, cfg.distance))
+    fused = fused_cpu.resolve_kernel(cfg.kernel, dev)
+    ctl.update(acrl_discrepancy_stats(MismatchTensors(old, roll * 1.01, mask, fused=fused), cfg.distance))
     n_tok, n_seq = int(mask.sum()), b
 
     def sync() -> None:

@@ -6,10 +6,10 @@ inputs ``[N, T]`` with a response mask.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
+
+from megatron_acrl.config import AlgorithmConfig, Config
 
 
 def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
@@ -105,7 +105,9 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
-def ppo_advantages(tb: dict[str, Tensor], a: Any, *, whiten: bool = True) -> tuple[Tensor, dict[str, float]]:
+def ppo_advantages(
+    tb: dict[str, Tensor], a: AlgorithmConfig, *, whiten: bool = True
+) -> tuple[Tensor, dict[str, float]]:
     """PPO: GAE over the critic's values with the sequence reward on the last response token.
 
     Args:
@@ -161,7 +163,7 @@ def overlong_penalty(response_len: Tensor, *, max_len: int, buffer_len: int, pen
     return -penalty * excess / buffer_len
 
 
-def compute_advantages(tb: dict[str, Tensor], cfg: Any) -> tuple[Tensor, dict[str, float]]:
+def compute_advantages(tb: dict[str, Tensor], cfg: Config) -> tuple[Tensor, dict[str, float]]:
     """Token advantages ``[N, L]`` of a rollout batch for ``cfg.algorithm`` (GRPO family).
 
     Args:

@@ -562,6 +562,7 @@ class AlgorithmConfig(_Section):
 
 
 CorrectionMethod = Literal["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
+CorrectionKernel = Literal["auto", "torch", "fused_cpu"]
 
 
 @dataclass(frozen=True)
@@ -632,6 +633,12 @@ class CorrectionConfig(_Section):
 
     eps: float = 1e-8
     """acrl: floor of X in Y/X so a perfectly matched reference does not divide by zero."""
+
+    kernel: CorrectionKernel = "auto"
+    """Who computes the correction, chosen once when the trainer starts: fused_cpu is one C pass
+    (correction/_fused_cpu.c, built on first use; CPU trainers only), torch the PyTorch path (the
+    reference, and the GPU path), auto fused_cpu on a CPU trainer when the C library builds, else
+    torch. fused_cpu is refused at start-up if the library does not build or the trainer is on a GPU."""
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []

@@ -15,12 +15,17 @@ Tokens dropped by a correction (weight 0) still count in the denominators, as in
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
-from megatron_acrl.correction.metrics import MismatchTensors, mismatch_metrics
-from megatron_acrl.correction.weights import AcrlSignal, compute_correction
+from megatron_acrl.correction.acrl import AcrlSignal
+from megatron_acrl.correction.metrics import mismatch_metrics
+from megatron_acrl.correction.mismatch import MismatchTensors
+from megatron_acrl.correction.weights import compute_correction
 
 
 def aggregate(
@@ -153,6 +158,7 @@ def rl_loss(
     acrl: AcrlSignal | None,
     num_tokens: int | Tensor,
     num_seqs: int | Tensor,
+    fused: bool,
     entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     norm_len: int | None = None,
@@ -169,6 +175,8 @@ def rl_loss(
         algorithm / correction: settings.
         acrl: controller signal of this rollout batch (``correction.method == "acrl"``).
         num_tokens / num_seqs: global denominators of the optimizer step.
+        fused: compute the correction with the fused C pass (``correction.kernel`` resolved by the
+            caller, :func:`~megatron_acrl.correction.fused_cpu.resolve_kernel`) or in PyTorch.
         entropy: ``[B, T]`` token entropies (requires grad if ``entropy_coef`` > 0).
         ref_logprobs: ``[B, T]`` reference-model log-probs (for ``kl_coef`` > 0).
         norm_len: Dr. GRPO constant length (default ``algorithm.loss_norm_len``).
@@ -176,18 +184,48 @@ def rl_loss(
     Returns:
         ``(loss, partial metrics)``; ``loss`` summed over micro-batches and ranks is the full loss.
     """
-    shared = MismatchTensors(old_logprobs, rollout_logprobs, loss_mask)
+    shared = MismatchTensors(old_logprobs, rollout_logprobs, loss_mask, fused=fused)
     corr = compute_correction(
-        correction,
-        None,
-        None,
-        None,
+        correction, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=advantages, acrl=acrl
+    )
+    agg = functools.partial(
+        aggregate,
+        mask=loss_mask,
+        mode=algorithm.loss_agg,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
-        advantages=advantages,
-        acrl=acrl,
-        shared=shared,
+        norm_len=norm_len if norm_len is not None else algorithm.loss_norm_len,
     )
+    loss, metrics = _policy_gradient(
+        logprobs, old_logprobs, advantages, loss_mask, corr.weights, algorithm, agg, num_tokens
+    )
+    loss = _regularized(loss, metrics, logprobs, loss_mask, algorithm, agg, entropy, ref_logprobs)
+    metrics["loss/total"] = loss.detach()
+    metrics.update(corr.metrics)
+    if with_mismatch_metrics:
+        metrics.update(mismatch_metrics(shared, num_tokens=num_tokens, num_seqs=num_seqs))
+    return loss, metrics
+
+
+def _policy_gradient(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    weights: Tensor,
+    algorithm: AlgorithmConfig,
+    agg: Callable[[Tensor], Tensor],
+    num_tokens: int | Tensor,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The corrected clipped surrogate, aggregated, and its partial metrics.
+
+    Args:
+        logprobs / old_logprobs / advantages / loss_mask: ``[B, T]`` as in :func:`rl_loss`.
+        weights: ``[B, T]`` detached correction weights. agg: ``[B, T] -> scalar`` partial.
+    Returns:
+        ``(pg_loss, {"loss/pg_loss", "loss/pg_clipfrac", "loss/ppo_kl"})``; the clip fraction and
+        the k1 estimate of KL(pi_old || pi) are token means over the global ``num_tokens``.
+    """
     pg, clipped = ppo_policy_loss(
         logprobs,
         old_logprobs,
@@ -196,41 +234,43 @@ def rl_loss(
         clip_low=algorithm.clip_low,
         clip_high=algorithm.clip_high,
         dual_clip=algorithm.dual_clip,
-        weights=corr.weights,
+        weights=weights,
     )
-    agg = algorithm.loss_agg
-    nl = norm_len if norm_len is not None else algorithm.loss_norm_len
-    kw = dict(num_tokens=num_tokens, num_seqs=num_seqs, norm_len=nl)
-    pg_loss = aggregate(pg, loss_mask, agg, **kw)
-    loss = pg_loss
+    pg_loss = agg(pg)
     n_tok = torch.as_tensor(num_tokens, dtype=logprobs.dtype, device=logprobs.device).clamp_min(1)
-    m = loss_mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    ppo_kl = torch.where(m, old_logprobs.detach() - logprobs.detach(), zero)
+    ppo_kl = torch.where(loss_mask.bool(), old_logprobs.detach() - logprobs.detach(), zero)
     stats = torch.stack([clipped.sum().to(ppo_kl.dtype), ppo_kl.sum()]) / n_tok
-    metrics: dict[str, Tensor] = {
-        "loss/pg_loss": pg_loss.detach(),
-        "loss/pg_clipfrac": stats[0],
-        "loss/ppo_kl": stats[1],
-    }
+    return pg_loss, {"loss/pg_loss": pg_loss.detach(), "loss/pg_clipfrac": stats[0], "loss/ppo_kl": stats[1]}
+
+
+def _regularized(
+    loss: Tensor,
+    metrics: dict[str, Tensor],
+    logprobs: Tensor,
+    loss_mask: Tensor,
+    algorithm: AlgorithmConfig,
+    agg: Callable[[Tensor], Tensor],
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+) -> Tensor:
+    """``loss + kl_coef * KL(pi || pi_ref) - entropy_coef * H``; adds ``loss/kl_ref``, ``loss/entropy``.
+
+    Args:
+        entropy / ref_logprobs: ``[B, T]`` or None, as in :func:`rl_loss`.
+    """
     if algorithm.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs (the reference model's log-probs)")
-        kl = aggregate(kl_penalty(logprobs, ref_logprobs, algorithm.kl_type), loss_mask, agg, **kw)
+        kl = agg(kl_penalty(logprobs, ref_logprobs, algorithm.kl_type))
         loss = loss + algorithm.kl_coef * kl
         metrics["loss/kl_ref"] = kl.detach()
     if entropy is not None:
-        ent = aggregate(entropy, loss_mask, agg, **kw)
+        ent = agg(entropy)
         metrics["loss/entropy"] = ent.detach()
         if algorithm.entropy_coef:
             loss = loss - algorithm.entropy_coef * ent
-    metrics["loss/total"] = loss.detach()
-    metrics.update(corr.metrics)
-    if with_mismatch_metrics:
-        metrics.update(
-            mismatch_metrics(None, None, None, num_tokens=num_tokens, num_seqs=num_seqs, shared=shared)
-        )
-    return loss, metrics
+    return loss
 
 
 def sft_loss(

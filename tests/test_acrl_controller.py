@@ -13,13 +13,18 @@ import torch.multiprocessing as mp
 from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import (
     AcrlController,
+    MismatchTensors,
     acrl_discrepancy_stats,
-    all_reduce_partials,
     combine_partials,
     compute_correction,
     finalize_metrics,
+    fused_cpu,
     mismatch_metrics,
 )
+from megatron_acrl.megatron.collectives import all_reduce_partials
+
+# The kernel a CPU trainer runs by default (correction.kernel=auto): the fused C pass where it builds.
+FUSED = fused_cpu.resolve_kernel("auto", "cpu")
 
 
 def stats(y, n=4):
@@ -75,14 +80,15 @@ def _worker(rank, world, port, lp, lq, mask, out):
     try:
         sl = slice(rank * lp.shape[0] // world, (rank + 1) * lp.shape[0] // world)
         n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
-        local = acrl_discrepancy_stats(lp[sl], lq[sl], mask[sl], "prob_abs")
+        sh = MismatchTensors(lp[sl], lq[sl], mask[sl], fused=FUSED)
+        local = acrl_discrepancy_stats(sh, "prob_abs")
         dist.all_reduce(local)
         ctl = AcrlController(CorrectionConfig())
         ctl.update(local)
         part = {
-            **mismatch_metrics(lp[sl], lq[sl], mask[sl], num_tokens=n_tok, num_seqs=n_seq),
+            **mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq),
             **compute_correction(
-                CorrectionConfig(method="tis"), lp[sl], lq[sl], mask[sl], num_tokens=n_tok, num_seqs=n_seq
+                CorrectionConfig(method="tis"), sh, num_tokens=n_tok, num_seqs=n_seq
             ).metrics,
         }
         reduced = finalize_metrics(all_reduce_partials(part))
@@ -106,14 +112,15 @@ def test_all_reduced_stats_give_every_rank_the_same_state():
         )
         results = dict(out)
     ref_ctl = AcrlController(CorrectionConfig())
-    ref_ctl.update(acrl_discrepancy_stats(lp, lq, mask, "prob_abs"))
+    sh = MismatchTensors(lp, lq, mask, fused=FUSED)
+    ref_ctl.update(acrl_discrepancy_stats(sh, "prob_abs"))
     n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
     whole = finalize_metrics(
         combine_partials(
             [
-                mismatch_metrics(lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq),
+                mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq),
                 compute_correction(
-                    CorrectionConfig(method="tis"), lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq
+                    CorrectionConfig(method="tis"), sh, num_tokens=n_tok, num_seqs=n_seq
                 ).metrics,
             ]
         )

@@ -1,9 +1,14 @@
-"""Mismatch metrics and correction weights against the float64 reference (tests/reference.py)."""
+"""Mismatch metrics and correction weights against the float64 reference (tests/reference.py).
+
+Every reference and property test runs on both kernels, on the same batches: the PyTorch path
+(``fused=False``) and the fused C pass (``fused=True``, where the library builds).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -11,18 +16,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ref_mismatch, ref_seq_discrepancy, ref_weights
 
-from megatron_acrl.config import CorrectionConfig
+from megatron_acrl.config import CorrectionConfig, CorrectionMethod
 from megatron_acrl.correction import (
+    METHODS,
     AcrlSignal,
+    MismatchTensors,
     acrl_discrepancy_stats,
     combine_partials,
     compute_correction,
     finalize_metrics,
+    fused_cpu,
     mismatch_metrics,
     sequence_discrepancy,
 )
 
-METHODS = ["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
+METHOD_NAMES = ["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
+# The two kernels: the PyTorch path, and the fused C pass where the library builds.
+KERNELS = [False, True] if fused_cpu.available() else [False]
+FUSED = pytest.mark.parametrize(
+    "fused",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not fused_cpu.available(), reason="no C compiler"))],
+    ids=["torch", "fused_cpu"],
+)
 
 
 def make_batch(seed=0, b=6, t=9, scale=0.3, dtype=torch.float32):
@@ -43,10 +58,16 @@ def counts(mask):
     return int(mask.sum()), int(mask.any(-1).sum())
 
 
-def test_mismatch_metrics_match_reference():
+def test_method_table_covers_the_config_vocabulary():
+    assert list(METHODS) == list(get_args(CorrectionMethod)) == METHOD_NAMES
+
+
+@FUSED
+def test_mismatch_metrics_match_reference(fused):
     lp, lq, mask, _ = make_batch()
     n_tok, n_seq = counts(mask)
-    got = finalize_metrics(mismatch_metrics(lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq))
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
     want = ref_mismatch(lp, lq, mask)
     for k, v in want.items():
         assert got["mismatch/" + k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
@@ -55,35 +76,40 @@ def test_mismatch_metrics_match_reference():
 def test_mismatch_metrics_float64_exact():
     lp, lq, mask, _ = make_batch(dtype=torch.float64)
     n_tok, n_seq = counts(mask)
-    got = finalize_metrics(mismatch_metrics(lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq))
+    sh = MismatchTensors(lp, lq, mask, fused=False)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
     for k, v in ref_mismatch(lp, lq, mask).items():
         assert got["mismatch/" + k] == pytest.approx(v, rel=1e-12, abs=1e-12), k
 
 
-def test_chi2_seq_does_not_overflow():
+@FUSED
+def test_chi2_seq_does_not_overflow(fused):
     # prod rho = e^400 per sequence: exp(2 * 400) overflows float32 and float64 alike.
     b, t = 3, 40
     lp = torch.zeros(b, t)
     lq = torch.full((b, t), -10.0)
     mask = torch.ones(b, t, dtype=torch.bool)
-    parts = mismatch_metrics(lp, lq, mask, num_tokens=b * t, num_seqs=b)
+    parts = mismatch_metrics(MismatchTensors(lp, lq, mask, fused=fused), num_tokens=b * t, num_seqs=b)
     assert parts["mismatch/chi2_seq_lse"].item() == pytest.approx(800.0, rel=1e-6)
     assert math.isinf(finalize_metrics(parts)["mismatch/chi2_seq"])
     lq2 = torch.full((b, t), -0.5)  # moderate: exact value e^(2*20) - 1
-    out = finalize_metrics(mismatch_metrics(lp, lq2, mask, num_tokens=b * t, num_seqs=b))
+    sh2 = MismatchTensors(lp, lq2, mask, fused=fused)
+    out = finalize_metrics(mismatch_metrics(sh2, num_tokens=b * t, num_seqs=b))
     assert out["mismatch/chi2_seq"] == pytest.approx(math.exp(40) - 1, rel=1e-5)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@FUSED
+@pytest.mark.parametrize("method", METHOD_NAMES)
 @pytest.mark.parametrize(
     "extra", [{}, {"masks": ("seq_mis",)}, {"veto_threshold": 0.6}, {"masks": ("geo_mis",)}]
 )
-def test_weights_match_reference(method, extra):
+def test_weights_match_reference(method, extra, fused):
     lp, lq, mask, adv = make_batch(seed=3, scale=0.15)
     cfg = CorrectionConfig(method=method, geo_low=0.9, geo_high=1.1, **extra)
     n_tok, n_seq = counts(mask)
     sig = AcrlSignal(x=0.05, y=0.08)
-    corr = compute_correction(cfg, lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
     want = torch.tensor(ref_weights(cfg, lp, lq, mask, adv, x=0.05, y=0.08), dtype=torch.float64)
     assert not corr.weights.requires_grad
     torch.testing.assert_close(corr.weights.double(), want, rtol=1e-5, atol=1e-6)
@@ -108,13 +134,14 @@ def test_weights_match_reference(method, extra):
         {"distance": "k3", "per_sequence_y": True},
     ],
 )
-def test_acrl_extensions_match_reference(overrides):
+@FUSED
+def test_acrl_extensions_match_reference(overrides, fused):
     lp, lq, mask, adv = make_batch(seed=5, scale=0.2)
     cfg = CorrectionConfig(method="acrl", gamma=1.3, **overrides)
     n_tok, n_seq = counts(mask)
-    corr = compute_correction(
-        cfg, lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=AcrlSignal(x=0.02, y=0.05)
-    )
+    sig = AcrlSignal(x=0.02, y=0.05)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
     want = torch.tensor(ref_weights(cfg, lp, lq, mask, adv, x=0.02, y=0.05), dtype=torch.float64)
     torch.testing.assert_close(corr.weights.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -122,67 +149,80 @@ def test_acrl_extensions_match_reference(overrides):
 @pytest.mark.parametrize("distance", ["prob_abs", "logprob_abs", "k3"])
 def test_sequence_discrepancy_matches_reference(distance):
     lp, lq, mask, _ = make_batch(seed=7, dtype=torch.float64)
-    y, valid = sequence_discrepancy(lp, lq, mask, distance)
+    sh = MismatchTensors(lp, lq, mask, fused=False)
+    y, valid = sequence_discrepancy(sh, distance)
     want = ref_seq_discrepancy(lp, lq, mask, distance)
     torch.testing.assert_close(y[valid], torch.tensor(want, dtype=torch.float64))
-    stats = acrl_discrepancy_stats(lp, lq, mask, distance)
+    stats = acrl_discrepancy_stats(sh, distance)
     assert stats[1].item() == len(want)
     assert stats[0].item() == pytest.approx(sum(want))
 
 
-def test_acrl_direction():
+@FUSED
+def test_acrl_direction(fused):
     """Y > X with A > 0: tokens the trainer likes more than the engine (rho > 1) are down-weighted."""
     lp = torch.tensor([[-0.1, -0.2]])
     lq = torch.tensor([[-0.5, -0.6]])  # rho > 1
-    mask = torch.ones(1, 2, dtype=torch.bool)
+    sh = MismatchTensors(lp, lq, torch.ones(1, 2, dtype=torch.bool), fused=fused)
     adv = torch.ones(1, 2)
     cfg = CorrectionConfig(method="acrl")
     pull = compute_correction(
-        cfg, lp, lq, mask, num_tokens=2, num_seqs=1, advantages=adv, acrl=AcrlSignal(x=0.1, y=0.2)
+        cfg, sh, num_tokens=2, num_seqs=1, advantages=adv, acrl=AcrlSignal(x=0.1, y=0.2)
     ).weights
     push = compute_correction(
-        cfg, lp, lq, mask, num_tokens=2, num_seqs=1, advantages=adv, acrl=AcrlSignal(x=0.2, y=0.1)
+        cfg, sh, num_tokens=2, num_seqs=1, advantages=adv, acrl=AcrlSignal(x=0.2, y=0.1)
     ).weights
     assert (pull < 1).all() and (push > 1).all()
     neg = compute_correction(
-        cfg, lp, lq, mask, num_tokens=2, num_seqs=1, advantages=-adv, acrl=AcrlSignal(x=0.1, y=0.2)
+        cfg, sh, num_tokens=2, num_seqs=1, advantages=-adv, acrl=AcrlSignal(x=0.1, y=0.2)
     ).weights
     assert (neg > 1).all()  # sign(A) flips the direction
 
 
-def test_acrl_requires_signal():
+@FUSED
+def test_acrl_requires_signal(fused):
     lp, lq, mask, adv = make_batch()
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
     with pytest.raises(ValueError, match="AcrlSignal"):
-        compute_correction(CorrectionConfig(method="acrl"), lp, lq, mask, num_tokens=1, num_seqs=1)
+        compute_correction(CorrectionConfig(method="acrl"), sh, num_tokens=1, num_seqs=1)
 
 
-def test_fractions_and_veto_counts():
+@FUSED
+def test_fractions_and_veto_counts(fused):
     lp = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     lq = torch.tensor([[-1.5, 0.0, 2.0], [0.0, -12.0, 0.0]])  # rho = e^1.5, 1, e^-2 / 1, e^12, 1
     mask = torch.ones(2, 3, dtype=torch.bool)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
     fin = finalize_metrics(
-        compute_correction(CorrectionConfig(method="tis"), lp, lq, mask, num_tokens=6, num_seqs=2).metrics
+        compute_correction(CorrectionConfig(method="tis"), sh, num_tokens=6, num_seqs=2).metrics
     )
     assert fin["correction/clip_frac_high"] == pytest.approx(2 / 6)
     assert fin["correction/clip_frac_low"] == 0.0
     fin = finalize_metrics(
-        compute_correction(CorrectionConfig(method="icepop"), lp, lq, mask, num_tokens=6, num_seqs=2).metrics
+        compute_correction(CorrectionConfig(method="icepop"), sh, num_tokens=6, num_seqs=2).metrics
     )
     assert fin["correction/mask_frac_high"] == pytest.approx(1 / 6)
     assert fin["correction/mask_frac_low"] == pytest.approx(1 / 6)
     lq_v = torch.tensor([[0.0, 0.0, 10.0], [0.0, 0.0, 0.0]])  # rho = e^-10 < 1e-4 in sequence 0
     corr = compute_correction(
-        CorrectionConfig(method="none", veto_threshold=1e-4), lp, lq_v, mask, num_tokens=6, num_seqs=2
+        CorrectionConfig(method="none", veto_threshold=1e-4),
+        MismatchTensors(lp, lq_v, mask, fused=fused),
+        num_tokens=6,
+        num_seqs=2,
     )
     assert corr.weights[0].sum() == 0 and (corr.weights[1] == 1).all()
     assert finalize_metrics(corr.metrics)["correction/seq_veto_frac"] == pytest.approx(0.5)
 
 
-def test_batch_normalize():
+@FUSED
+def test_batch_normalize(fused):
     lp, lq, mask, adv = make_batch(seed=11)
     n_tok, n_seq = counts(mask)
     corr = compute_correction(
-        CorrectionConfig(method="tis", batch_normalize=True), lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq
+        CorrectionConfig(method="tis", batch_normalize=True),
+        MismatchTensors(lp, lq, mask, fused=fused),
+        num_tokens=n_tok,
+        num_seqs=n_seq,
     )
     assert corr.weights[mask].mean().item() == pytest.approx(1.0, rel=1e-5)
 
@@ -210,22 +250,21 @@ def batches(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.sampled_from(METHODS))
-def test_pi_equals_mu_gives_unit_weights_and_zero_divergence(batch, method):
+@given(batches(), st.sampled_from(METHOD_NAMES), st.sampled_from(KERNELS))
+def test_pi_equals_mu_gives_unit_weights_and_zero_divergence(batch, method, fused):
     lp, _, mask, adv = batch
     n_tok, n_seq = counts(mask)
     corr = compute_correction(
         CorrectionConfig(method=method),
-        lp,
-        lp.clone(),
-        mask,
+        MismatchTensors(lp, lp.clone(), mask, fused=fused),
         num_tokens=n_tok,
         num_seqs=n_seq,
         advantages=adv,
         acrl=AcrlSignal(x=0.1, y=0.3),
     )
     assert torch.equal(corr.weights, mask.float())
-    fin = finalize_metrics(mismatch_metrics(lp, lp, mask, num_tokens=n_tok, num_seqs=n_seq))
+    sh = MismatchTensors(lp, lp, mask, fused=fused)
+    fin = finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
     for k in (
         "kl",
         "k3_kl",
@@ -241,23 +280,24 @@ def test_pi_equals_mu_gives_unit_weights_and_zero_divergence(batch, method):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.floats(0.0, 0.9), st.floats(1.0, 5.0))
-def test_tis_weights_never_exceed_clip(batch, low, high):
+@given(batches(), st.floats(0.0, 0.9), st.floats(1.0, 5.0), st.sampled_from(KERNELS))
+def test_tis_weights_never_exceed_clip(batch, low, high, fused):
     lp, lq, mask, _ = batch
     cfg = CorrectionConfig(method="tis", tis_low=low, tis_high=high)
-    w = compute_correction(cfg, lp, lq, mask, num_tokens=1, num_seqs=1).weights
+    w = compute_correction(cfg, MismatchTensors(lp, lq, mask, fused=fused), num_tokens=1, num_seqs=1).weights
     assert (w[mask] <= high + 1e-6).all() and (w[mask] >= low - 1e-6).all()
     assert (w[~mask] == 0).all()
 
 
 @settings(max_examples=40, deadline=None)
-@given(batches(), st.sampled_from(METHODS), st.integers(1, 4))
-def test_padding_never_changes_a_result(batch, method, pad):
+@given(batches(), st.sampled_from(METHOD_NAMES), st.integers(1, 4), st.sampled_from(KERNELS))
+def test_padding_never_changes_a_result(batch, method, pad, fused):
     lp, lq, mask, adv = batch
     n_tok, n_seq = counts(mask)
     cfg = CorrectionConfig(method=method, veto_threshold=1e-3)
     sig = AcrlSignal(x=0.1, y=0.2)
-    base = compute_correction(cfg, lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    base = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
     b = lp.shape[0]
     junk = torch.full((b, pad), float("nan"))
     lp2, lq2 = torch.cat([lp, junk], 1), torch.cat([lq, -junk.nan_to_num(nan=-1e30)], 1)
@@ -265,36 +305,29 @@ def test_padding_never_changes_a_result(batch, method, pad):
     adv2 = torch.cat([adv, torch.full((b, pad), 5.0)], 1)
     # Also garbage inside the original padding positions.
     lp2 = torch.where(mask2, lp2, torch.tensor(float("inf")))
-    padded = compute_correction(
-        cfg, lp2, lq2, mask2, num_tokens=n_tok, num_seqs=n_seq, advantages=adv2, acrl=sig
-    )
+    sh2 = MismatchTensors(lp2, lq2, mask2, fused=fused)
+    padded = compute_correction(cfg, sh2, num_tokens=n_tok, num_seqs=n_seq, advantages=adv2, acrl=sig)
     torch.testing.assert_close(padded.weights[:, : lp.shape[1]], base.weights)
     assert (padded.weights[:, lp.shape[1] :] == 0).all()
-    a = finalize_metrics({**base.metrics, **mismatch_metrics(lp, lq, mask, num_tokens=n_tok, num_seqs=n_seq)})
-    c = finalize_metrics(
-        {**padded.metrics, **mismatch_metrics(lp2, lq2, mask2, num_tokens=n_tok, num_seqs=n_seq)}
-    )
+    a = finalize_metrics({**base.metrics, **mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq)})
+    c = finalize_metrics({**padded.metrics, **mismatch_metrics(sh2, num_tokens=n_tok, num_seqs=n_seq)})
     assert a.keys() == c.keys()
     for k in a:
         assert c[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7, nan_ok=True), k
 
 
 @settings(max_examples=40, deadline=None)
-@given(batches(), st.sampled_from(METHODS), st.data())
-def test_micro_batch_split_with_global_denominators_is_exact(batch, method, data):
+@given(batches(), st.sampled_from(METHOD_NAMES), st.data(), st.sampled_from(KERNELS))
+def test_micro_batch_split_with_global_denominators_is_exact(batch, method, data, fused):
     lp, lq, mask, adv = batch
     n_tok, n_seq = counts(mask)
     cfg = CorrectionConfig(method=method, masks=("seq_mis",) if method == "acrl" else ())
     sig = AcrlSignal(x=0.1, y=0.2)
 
     def run(sl):
-        corr = compute_correction(
-            cfg, lp[sl], lq[sl], mask[sl], num_tokens=n_tok, num_seqs=n_seq, advantages=adv[sl], acrl=sig
-        )
-        return {
-            **corr.metrics,
-            **mismatch_metrics(lp[sl], lq[sl], mask[sl], num_tokens=n_tok, num_seqs=n_seq),
-        }
+        sh = MismatchTensors(lp[sl], lq[sl], mask[sl], fused=fused)
+        corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv[sl], acrl=sig)
+        return {**corr.metrics, **mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq)}
 
     b = lp.shape[0]
     cut = data.draw(st.integers(0, b))

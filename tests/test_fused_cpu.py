@@ -12,9 +12,10 @@ import math
 
 import pytest
 import torch
+from reference import ref_weights
 
 import ckernels as native
-from megatron_acrl.config import CorrectionConfig
+from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import (
     AcrlSignal,
     MismatchTensors,
@@ -24,6 +25,7 @@ from megatron_acrl.correction import (
     fused_cpu,
     mismatch_metrics,
 )
+from megatron_acrl.megatron.loss_adapter import LossAdapter
 
 pytestmark = pytest.mark.skipif(not fused_cpu.available(), reason="no C compiler: fused CPU path not built")
 
@@ -87,14 +89,14 @@ def test_fused_equals_pytorch_path(seed):
     torch.testing.assert_close(fused.seq_sums, ref.seq_sums, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(fused.extremes, ref.extremes.double(), rtol=1e-6, atol=1e-6)
     n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
-    got = finalize_metrics(mismatch_metrics(None, None, None, num_tokens=n_tok, num_seqs=n_seq, shared=fused))
-    want = finalize_metrics(mismatch_metrics(None, None, None, num_tokens=n_tok, num_seqs=n_seq, shared=ref))
+    got = finalize_metrics(mismatch_metrics(fused, num_tokens=n_tok, num_seqs=n_seq))
+    want = finalize_metrics(mismatch_metrics(ref, num_tokens=n_tok, num_seqs=n_seq))
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
     for distance in ("prob_abs", "logprob_abs", "k3"):  # the controller's statistics
-        got_y = acrl_discrepancy_stats(None, None, None, distance, shared=fused)
-        want_y = acrl_discrepancy_stats(None, None, None, distance, shared=ref)
+        got_y = acrl_discrepancy_stats(fused, distance)
+        want_y = acrl_discrepancy_stats(ref, distance)
         torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
     # the rows the PyTorch branches of compute_correction use are still there, built on demand
     torch.testing.assert_close(fused.log_ratio, ref.log_ratio)
@@ -126,13 +128,17 @@ def test_acrl_weights_and_metrics_equal_pytorch_path(overrides, adv_layout):
     results = []
     for fused in (True, False):
         sh = MismatchTensors(lp, lq, mask, fused=fused)
-        corr = compute_correction(
-            cfg, None, None, None, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig, shared=sh
-        )
+        corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
         results.append((corr.weights, finalize_metrics(corr.metrics)))
     (w_f, m_f), (w_t, m_t) = results
     torch.testing.assert_close(w_f, w_t, rtol=2e-6, atol=1e-7)
     assert (w_f[~mask] == 0).all()
+    # both against the float64 reference, away from the saturated sequence (the reference does not
+    # clamp log rho at +-20, so that sequence's Y_i and weights differ by design)
+    ok = mask & ~((lp - lq).abs() > 20).any(-1, keepdim=True)
+    want = torch.tensor(ref_weights(cfg, lp, lq, ok, adv.expand(b, t), x=sig.x, y=sig.y), dtype=torch.float64)
+    for w in (w_f, w_t):
+        torch.testing.assert_close(w.double()[ok], want[ok], rtol=1e-5, atol=1e-6)
     assert m_f.keys() == m_t.keys()
     for k in m_t:
         assert m_f[k] == pytest.approx(m_t[k], rel=1e-5, abs=1e-7), k
@@ -151,9 +157,7 @@ def test_saturated_and_extreme_log_ratios():
     adv = torch.ones(1, 1)
     corr = compute_correction(
         cfg,
-        lp[None],
-        lq[None],
-        mask,
+        sh,
         num_tokens=d.numel(),
         num_seqs=1,
         advantages=adv,
@@ -167,17 +171,16 @@ def test_empty_batch_and_all_padding():
     for b, t in ((0, 5), (3, 0), (2, 4)):
         lp, lq = torch.zeros(b, t), torch.zeros(b, t)
         mask = torch.zeros(b, t, dtype=torch.bool)
-        got = finalize_metrics(mismatch_metrics(lp, lq, mask, num_tokens=0, num_seqs=0))
+        sh = MismatchTensors(lp, lq, mask, fused=True)
+        got = finalize_metrics(mismatch_metrics(sh, num_tokens=0, num_seqs=0))
         want = finalize_metrics(
-            mismatch_metrics(
-                None, None, None, num_tokens=0, num_seqs=0, shared=MismatchTensors(lp, lq, mask, fused=False)
-            )
+            mismatch_metrics(MismatchTensors(lp, lq, mask, fused=False), num_tokens=0, num_seqs=0)
         )
         assert got.keys() == want.keys()
         for k in want:
             assert got[k] == pytest.approx(want[k], nan_ok=True), (b, t, k)
         corr = compute_correction(
-            CorrectionConfig(method="acrl"), lp, lq, mask, num_tokens=0, num_seqs=0,
+            CorrectionConfig(method="acrl"), sh, num_tokens=0, num_seqs=0,
             advantages=torch.ones(b, 1), acrl=AcrlSignal(x=0.1, y=0.1),
         )  # fmt: skip
         m = finalize_metrics(corr.metrics)
@@ -199,18 +202,46 @@ def test_paths_that_stay_in_pytorch():
     lp, lq, mask, adv = batch(1)
     with pytest.raises(ValueError, match="float32 CPU"):
         MismatchTensors(lp.double(), lq.double(), mask, fused=True)
-    assert not MismatchTensors(lp.double(), lq.double(), mask).fused  # float64: the exact path
-    sh = MismatchTensors(lp, lq, mask)
+    assert not MismatchTensors(lp.double(), lq.double(), mask, fused=False).fused  # float64: the exact path
+    sh = MismatchTensors(lp, lq, mask, fused=True)
     assert sh.fused
     # masks / veto / batch normalisation: ACRL's PyTorch branch on the fused sums
     for extra in ({"masks": ("seq_mis",)}, {"veto_threshold": 1e-4}, {"batch_normalize": True}):
         cfg = dataclasses.replace(CorrectionConfig(method="acrl"), **extra)
         kw = dict(num_tokens=int(mask.sum()), num_seqs=6, advantages=adv, acrl=AcrlSignal(x=0.02, y=0.05))
-        got = compute_correction(cfg, None, None, None, shared=sh, **kw)
-        want = compute_correction(
-            cfg, None, None, None, shared=MismatchTensors(lp, lq, mask, fused=False), **kw
-        )
+        got = compute_correction(cfg, sh, **kw)
+        want = compute_correction(cfg, MismatchTensors(lp, lq, mask, fused=False), **kw)
         torch.testing.assert_close(got.weights, want.weights, rtol=2e-6, atol=1e-7)
+
+
+def test_kernel_is_chosen_once_from_the_config_and_the_device():
+    """correction.kernel, resolved where the loss adapter is built; the math never looks at the device."""
+    assert fused_cpu.resolve_kernel("auto", "cpu") and fused_cpu.resolve_kernel("fused_cpu", "cpu")
+    assert not fused_cpu.resolve_kernel("auto", "cuda") and not fused_cpu.resolve_kernel("torch", "cpu")
+    with pytest.raises(ValueError, match=r"correction\.kernel=fused_cpu runs on CPU tensors only"):
+        fused_cpu.resolve_kernel("fused_cpu", "cuda")
+    with pytest.raises(ValueError, match="correction.kernel must be one of auto, torch, fused_cpu"):
+        fused_cpu.resolve_kernel("c", "cpu")
+
+    def adapter(kernel: str, device: str = "cpu") -> LossAdapter:
+        correction = dataclasses.replace(CorrectionConfig(), kernel=kernel)
+        return LossAdapter(
+            algorithm=AlgorithmConfig(), correction=correction, tp_group=None, vocab_size=8, device=device
+        )
+
+    assert adapter("auto").fused and adapter("fused_cpu").fused
+    assert not adapter("torch").fused and not adapter("auto", "cuda").fused
+    with pytest.raises(ValueError, match="correction.kernel=fused_cpu"):
+        adapter("fused_cpu", "cuda")
+
+
+def test_fused_cpu_kernel_is_refused_when_the_library_does_not_build(monkeypatch):
+    monkeypatch.setattr(fused_cpu, "available", lambda: False)
+    assert not fused_cpu.resolve_kernel("auto", "cpu")  # auto falls back to the PyTorch path
+    with pytest.raises(
+        ValueError, match=r"correction\.kernel=fused_cpu: _fused_cpu\.c did not build.*kernel=auto"
+    ):
+        fused_cpu.resolve_kernel("fused_cpu", "cpu")
 
 
 def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):

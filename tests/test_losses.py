@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ref_policy_loss, ref_weights
-from test_correction import batches, counts, make_batch
+from test_correction import KERNELS, batches, counts, make_batch
 
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import AcrlSignal, combine_partials, finalize_metrics
@@ -32,8 +32,9 @@ def test_rl_loss_matches_reference_value_and_grad(agg, method, dual_clip):
     sig = AcrlSignal(x=0.05, y=0.09)
     x = new_logprobs(lp_old).requires_grad_()
     loss, _ = rl_loss(
-        x, lp_old, lq, adv, mask, algorithm=alg, correction=cfg, acrl=sig, num_tokens=n_tok, num_seqs=n_seq
-    )
+        x, lp_old, lq, adv, mask, algorithm=alg, correction=cfg, acrl=sig, num_tokens=n_tok, num_seqs=n_seq,
+        fused=False,
+    )  # fmt: skip
     (g,) = torch.autograd.grad(loss, x)
     w = ref_weights(cfg, lp_old, lq, mask, adv, x=0.05, y=0.09)
     xr = x.detach().clone().requires_grad_()
@@ -67,6 +68,7 @@ def test_gradcheck_policy_kl_entropy(agg):
             acrl=None,
             num_tokens=n_tok,
             num_seqs=n_seq,
+            fused=False,
             entropy=ent,
             ref_logprobs=ref,
         )
@@ -115,8 +117,8 @@ def test_value_loss_reference_and_gradcheck():
 
 
 @settings(max_examples=30, deadline=None)
-@given(batches(), st.sampled_from(AGGS))
-def test_acrl_gamma_zero_equals_plain_loss(batch, agg):
+@given(batches(), st.sampled_from(AGGS), st.sampled_from(KERNELS))
+def test_acrl_gamma_zero_equals_plain_loss(batch, agg, fused):
     lp_old, lq, mask, adv = batch
     n_tok, n_seq = counts(mask)
     alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8)
@@ -134,6 +136,7 @@ def test_acrl_gamma_zero_equals_plain_loss(batch, agg):
             acrl=AcrlSignal(0.1, 0.5),
             num_tokens=n_tok,
             num_seqs=n_seq,
+            fused=fused,
         )
         (grad,) = torch.autograd.grad(loss, x)
         out.append((loss.detach(), grad))
@@ -164,6 +167,7 @@ def test_micro_batches_with_global_denominators_match_whole_batch(batch, agg, me
             acrl=AcrlSignal(0.1, 0.2),
             num_tokens=n_tok,
             num_seqs=n_seq,
+            fused=False,
             entropy=ent[sl],
             ref_logprobs=ref[sl],
         )
@@ -233,4 +237,5 @@ def test_kl_needs_reference():
             acrl=None,
             num_tokens=10,
             num_seqs=2,
+            fused=False,
         )

@@ -1,10 +1,21 @@
-"""Mismatch metrics, correction weights and the ACRL controller: pure torch, no Megatron import."""
+"""Mismatch metrics, correction weights and the ACRL controller: pure torch, no Megatron, no collectives.
+
+Rooms: ``mismatch.py`` (the shared intermediates of one micro-batch), ``weights.py`` (the method
+table and its composition), ``acrl.py`` (the ACRL formula, statistics and controller), ``metrics.py``
+(partial metrics, combined and finalised), ``fused_cpu.py`` + ``_fused_cpu.c`` (the CPU fast path
+and the choice of it).
+"""
 
 from megatron_acrl.correction import fused_cpu
-from megatron_acrl.correction.acrl import AcrlController
+from megatron_acrl.correction.acrl import (
+    AcrlController,
+    AcrlSignal,
+    acrl_alpha,
+    acrl_coefficient,
+    acrl_discrepancy_stats,
+    sequence_discrepancy,
+)
 from megatron_acrl.correction.metrics import (
-    MismatchTensors,
-    all_reduce_partials,
     combine_partials,
     finalize_metrics,
     mismatch_metrics,
@@ -12,23 +23,18 @@ from megatron_acrl.correction.metrics import (
     row_sums,
     weight_metrics,
 )
-from megatron_acrl.correction.weights import (
-    AcrlSignal,
-    Correction,
-    acrl_alpha,
-    acrl_discrepancy_stats,
-    compute_correction,
-    sequence_discrepancy,
-)
+from megatron_acrl.correction.mismatch import MismatchTensors
+from megatron_acrl.correction.weights import METHODS, Correction, compute_correction
 
 __all__ = [
+    "METHODS",
     "AcrlController",
     "AcrlSignal",
-    "MismatchTensors",
     "Correction",
+    "MismatchTensors",
     "acrl_alpha",
+    "acrl_coefficient",
     "acrl_discrepancy_stats",
-    "all_reduce_partials",
     "combine_partials",
     "compute_correction",
     "finalize_metrics",

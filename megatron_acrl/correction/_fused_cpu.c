@@ -2,15 +2,16 @@
  * small PyTorch ops.
  *
  * On a CPU the correction of one micro-batch is a few dozen eager ops over a few thousand tokens,
- * and their dispatch, not their arithmetic, is what it costs. These two loops compute the same
- * quantities as the PyTorch path in megatron_acrl/correction/metrics.py and weights.py (which stays
- * the reference, the GPU path and the fallback), and are tested against it and against a float64
- * reference in tests/test_fused_cpu.py.
+ * and their dispatch, not their arithmetic, is what it costs. These loops compute the same
+ * quantities as the PyTorch path in megatron_acrl/correction/ (mismatch.py, metrics.py, and the acrl
+ * entry of weights.py with acrl.py's coefficient; that path stays the reference and the GPU path),
+ * and are tested against it and against a float64 reference in tests/test_fused_cpu.py. Whether they
+ * run is chosen once per run (correction.kernel, resolved by fused_cpu.resolve_kernel).
  *
  * Numerics: per-token values in float32 like the PyTorch path; every sum is accumulated in float64.
  * exp/expm1 are branch-free polynomials (below) so that the compiler vectorises the token loop; their
  * error is within 2 ulp of float32 on the ranges used (checked by the tests against libm).
- * Padding (mask == 0) is replaced by log pi = log mu = 0 before any arithmetic, as in the PyTorch
+ * Padding (mask == 0) is replaced by log pi_old = log mu = 0 before any arithmetic, as in the PyTorch
  * path, so NaN/Inf in padding never reaches a result.
  *
  * Built by ckernels/__init__.py with the system C compiler; plain C99, no Python or torch headers.
@@ -88,31 +89,33 @@ static inline float clampf(float x, float lo, float hi) { return fminf(fmaxf(x, 
 
 /* Shared mismatch intermediates of one micro-batch.
  *
- * logp, logq: [B, T] float32 with row strides sp, sq (unit stride along T); mask: [B, T] bytes
- * (0/1) with row stride sm. Writes seq_sums [NROWS, B] float64, the per-sequence sums of the rows
- *   0 log pi, 1 log mu, 2 log mu - log pi, 3 log pi - log mu, 4 |pi - mu|, 5 |log pi - log mu|,
+ * old_logprobs (log pi_old), rollout_logprobs (log mu): [B, T] float32 with row strides sp, sq (unit
+ * stride along T); mask: [B, T] bytes (0/1) with row stride sm. With rho = pi_old / mu, writes
+ * seq_sums [NROWS, B] float64, the per-sequence sums of the rows
+ *   0 log pi_old, 1 log mu, 2 log mu - log pi_old, 3 log rho, 4 |pi_old - mu|, 5 |log rho|,
  *   6 k3 = rho - 1 - log rho, 7 rho^2 - 1, 8 valid tokens
  * (log rho clamped to +-LOG_RATIO_BOUND where exponentiated), ext [3] float64: the maxima over
- * valid tokens of -log rho, log rho and |pi - mu| (-inf without valid tokens), and dstats [3, 2]
- * float64: for each distance (|pi - mu|, |log pi - log mu|, k3) the sum over sequences with a valid
+ * valid tokens of -log rho, log rho and |pi_old - mu| (-inf without valid tokens), and dstats [3, 2]
+ * float64: for each distance (|pi_old - mu|, |log rho|, k3) the sum over sequences with a valid
  * token of their mean distance (the ACRL controller's Y_i) and the number of those sequences. */
-void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mask, int64_t B, int64_t T,
-                        int64_t sp, int64_t sq, int64_t sm, double *seq_sums, double *ext, double *dstats) {
+void acrl_mismatch_pass(const float *old_logprobs, const float *rollout_logprobs, const uint8_t *mask,
+                        int64_t B, int64_t T, int64_t sp, int64_t sq, int64_t sm, double *seq_sums,
+                        double *ext, double *dstats) {
     double y_dp = 0, y_ad = 0, y_k3 = 0, n_seqs = 0;
     float max_neg = -INFINITY, max_pos = -INFINITY, max_dp = -INFINITY;
     for (int64_t b = 0; b < B; ++b) {
-        const float *lp = logp + b * sp, *lq = logq + b * sq;
+        const float *lp_old = old_logprobs + b * sp, *lp_roll = rollout_logprobs + b * sq;
         const uint8_t *m = mask + b * sm;
         double s_lp = 0, s_lq = 0, s_d = 0, s_dp = 0, s_ad = 0, s_k3 = 0, s_chi = 0, s_n = 0;
         float mn_d = FLT_MAX, mx_d = -FLT_MAX, mx_dp = 0.0f;
         for (int64_t t = 0; t < T; ++t) {
             /* unconditional loads, then selects: the loop stays branch-free and vectorises */
-            float p = keep(lp[t], m[t]), q = keep(lq[t], m[t]);
+            float p = keep(lp_old[t], m[t]), q = keep(lp_roll[t], m[t]); /* log pi_old, log mu */
             float valid = (float)(m[t] != 0), pad_big = (1.0f - valid) * PAD_BIG;
             float d = p - q;
             float dc = clampf(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND);
             float em1 = expm1_poly(dc);
-            /* |pi - mu| from the unclamped log-probs, like the PyTorch path (mu |rho - 1| would need
+            /* |pi_old - mu| from the unclamped log-probs, like the PyTorch path (mu |rho - 1| would need
              * the unclamped rho); the clamp only keeps exp_poly in range (e^-87 is 0 here). */
             float dp = fabsf(exp_poly(clampf(p, -87.0f, 88.0f)) - exp_poly(clampf(q, -87.0f, 88.0f)));
             s_lp += p;
@@ -123,7 +126,7 @@ void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mas
             s_k3 += em1 - dc;
             s_chi += em1 * (em1 + 2.0f);
             s_n += valid;
-            /* padding has dp = 0 <= any valid |pi - mu|, so only log rho's extrema need the mask */
+            /* padding has dp = 0 <= any valid |pi_old - mu|, so only log rho's extrema need the mask */
             mn_d = fminf(mn_d, d + pad_big);
             mx_d = fmaxf(mx_d, d - pad_big);
             mx_dp = fmaxf(mx_dp, dp);
@@ -146,22 +149,26 @@ void acrl_mismatch_pass(const float *logp, const float *logq, const uint8_t *mas
 }
 
 /* ACRL weights w = exp(clamp(alpha * clamp(log rho), +-B)), alpha = sign(A) * coef[b] bounded to
- * +-alpha_max, then clamped to [w_low, w_high], 0 on padding.
+ * +-alpha_max, then clamped to [w_low, w_high], 0 on padding: the C twin of the acrl entry of
+ * weights.py (alpha as in acrl.py's acrl_alpha, coef from its acrl_coefficient).
  *
+ * old_logprobs, rollout_logprobs, mask: as in acrl_mismatch_pass.
  * adv: advantages with strides (sa_b, sa_t) (sa_t = 0 for one advantage per sequence); coef: [B]
  * gamma * (1 - Y / X) per sequence, or NULL for coef0 on every sequence. "No bound" is passed as a
  * large finite number (the file is compiled for finite arithmetic). inv_tokens: 1 / the global token
  * count, so that stats are already partial means. Writes weights [B, T] float32 (contiguous) and
  * stats [4] float64 (sums over valid tokens of w, w^2, alpha, |alpha|, times inv_tokens) and wext [2] float64 (max w
  * and min w over valid tokens; -inf / +inf without valid tokens). */
-void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask, const float *adv, int64_t B,
-                       int64_t T, int64_t sp, int64_t sq, int64_t sm, int64_t sa_b, int64_t sa_t,
-                       const double *coef, double coef0, float alpha_max, float w_low, float w_high,
-                       double inv_tokens, float *weights, double *stats, double *wext) {
+void acrl_weights_pass(const float *old_logprobs, const float *rollout_logprobs, const uint8_t *mask,
+                       const float *adv, int64_t B, int64_t T, int64_t sp, int64_t sq, int64_t sm,
+                       int64_t sa_b, int64_t sa_t, const double *coef, double coef0, float alpha_max,
+                       float w_low, float w_high, double inv_tokens, float *weights, double *stats,
+                       double *wext) {
     double s_w = 0, s_w2 = 0, s_a = 0, s_aa = 0;
     float w_max = -INFINITY, w_min = INFINITY;
     for (int64_t b = 0; b < B; ++b) {
-        const float *lp = logp + b * sp, *lq = logq + b * sq, *a = adv + b * sa_b;
+        const float *lp_old = old_logprobs + b * sp, *lp_roll = rollout_logprobs + b * sq;
+        const float *a = adv + b * sa_b;
         const uint8_t *m = mask + b * sm;
         float *w = weights + b * T;
         float c = (float)(coef ? coef[b] : coef0);
@@ -170,7 +177,7 @@ void acrl_weights_pass(const float *logp, const float *logq, const uint8_t *mask
         float n_valid = 0.0f;
         for (int64_t t = 0; t < T; ++t) {
             float valid = (float)(m[t] != 0), pad_big = (1.0f - valid) * PAD_BIG;
-            float d = keep(lp[t] - lq[t], m[t]);
+            float d = keep(lp_old[t] - lp_roll[t], m[t]);
             float av = a[t * sa_t];
             float sgn = (float)((av > 0.0f) - (av < 0.0f));
             float alpha = keep(clampf(sgn * c, -alpha_max, alpha_max), m[t]);

@@ -1,15 +1,20 @@
-"""The ACRL controller: a small stateful object updated once per rollout batch.
+"""ACRL: the weight formula, the controller's statistics and the controller itself.
 
 ACRL (arXiv 2607.24062) weights each token's policy gradient by ``(pi_old / mu) ** alpha`` with
 ``alpha = gamma * sign(A) * (1 - Y / X)``: ``Y`` is the current batch's sequence-level
-discrepancy between trainer and rollout engine, ``X`` a reference measured at the start. When the
-mismatch grows (Y > X) tokens are pulled back toward mu; when it shrinks (Y < X) they are pushed
-away, which keeps exploration.
+discrepancy between trainer (pi_old) and rollout engine (mu), ``X`` a reference measured at the
+start. When the mismatch grows (Y > X) tokens are pulled back toward mu; when it shrinks (Y < X)
+they are pushed away, which keeps exploration.
+
+The formula lives here once: :func:`acrl_coefficient` (``gamma * (1 - Y / X)``, per batch or per
+sequence) and :func:`acrl_alpha` (``sign(A)`` times it, bounded). The weights themselves are the
+``acrl`` entry of the method table (``weights.py``); ``_fused_cpu.c``'s ``acrl_weights_pass`` is its
+C twin and takes the same coefficient.
 
 The controller holds only Python floats, so every rank can hold an identical copy: the trainer
-all-reduces :func:`~megatron_acrl.correction.weights.acrl_discrepancy_stats` over data-parallel
-ranks, calls :meth:`AcrlController.update` with the reduced sums on every rank (or on one and
-broadcasts :meth:`state_dict`), and checkpoints :meth:`state_dict`.
+all-reduces :func:`acrl_discrepancy_stats` over data-parallel ranks, calls
+:meth:`AcrlController.update` with the reduced sums on every rank (or on one and loads the others
+from :meth:`state_dict`), and checkpoints :meth:`state_dict`.
 
 Reference modes:
 - ``static`` (paper): X is the mean Y of the first ``reference_batches`` batches, then fixed.
@@ -22,12 +27,101 @@ included: the first batch therefore has Y = X and alpha = 0 (the plain loss).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from megatron_acrl.config import CorrectionConfig
-from megatron_acrl.correction.weights import AcrlSignal
+from megatron_acrl.correction import fused_cpu
+from megatron_acrl.correction.mismatch import MismatchTensors
+
+
+@dataclass(frozen=True)
+class AcrlSignal:
+    """What the ACRL controller hands the loss for one rollout batch (same on every rank).
+
+    Attributes:
+        x: reference sequence-level discrepancy X.
+        y: this batch's sequence-level discrepancy Y.
+    The control strength gamma lives in :class:`CorrectionConfig`.
+    """
+
+    x: float
+    y: float
+
+    def y_over_x(self, eps: float) -> float:
+        return self.y / max(self.x, eps)
+
+
+# The per-token distances Y can be the sequence mean of; each is a row of MismatchTensors.ROWS.
+DISTANCES = ("prob_abs", "logprob_abs", "k3")
+
+
+def _distance_row(distance: str) -> str:
+    if distance not in DISTANCES:
+        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
+    return distance
+
+
+def sequence_discrepancy(sh: MismatchTensors, distance: str) -> tuple[Tensor, Tensor]:
+    """Per-sequence discrepancy ``Y_i``: the mean over valid tokens of a per-token distance.
+
+    Args:
+        sh: the micro-batch's shared intermediates (log pi_old, log mu, mask, ``[B, T]``).
+        distance: ``prob_abs`` (|pi_old - mu|, the paper's), ``logprob_abs`` (|log pi_old - log mu|)
+            or ``k3`` (rho - 1 - log rho, rho = pi_old / mu).
+    Returns:
+        ``(y [B] float64, valid [B] bool)``; ``y`` is 0 for sequences with no valid token.
+    """
+    return sh.seq_mean(_distance_row(distance)), sh.valid
+
+
+def acrl_discrepancy_stats(sh: MismatchTensors, distance: str) -> Tensor:
+    """Local sufficient statistics of the batch discrepancy Y, to be all-reduced (SUM).
+
+    Args:
+        sh: the local sequences' shared intermediates. distance: as in :func:`sequence_discrepancy`.
+    Returns:
+        ``[2]`` float64: (sum over valid local sequences of Y_i, number of valid local sequences).
+        ``Y = stats[0] / stats[1]`` after the all-reduce over data-parallel ranks.
+    """
+    row = _distance_row(distance)
+    if sh.discrepancy is not None:  # the fused pass summed them already
+        return sh.discrepancy[fused_cpu.DISCREPANCY_INDEX[row]]
+    return torch.stack([sh.seq_mean(row), sh.valid_f]).sum(-1)
+
+
+def acrl_coefficient(cfg: CorrectionConfig, signal: AcrlSignal, sh: MismatchTensors) -> Tensor | float:
+    """``c = gamma * (1 - Y / X)``, the part of alpha that does not depend on the token.
+
+    Args:
+        cfg: gamma, eps (floor of X) and ``per_sequence_y`` / ``distance``.
+        signal: the controller's X and Y of this rollout batch.
+        sh: the micro-batch (read only with ``per_sequence_y``: each sequence's own ``Y_i``).
+    Returns:
+        A float (the batch Y), or ``[B]`` float64 (``per_sequence_y``).
+    """
+    if cfg.per_sequence_y:
+        y_i = sh.seq_mean(_distance_row(cfg.distance))
+        return cfg.gamma * (1.0 - y_i / max(signal.x, cfg.eps))
+    return cfg.gamma * (1.0 - signal.y_over_x(cfg.eps))
+
+
+def acrl_alpha(advantages: Tensor, coef: Tensor | float, alpha_max: float | None = None) -> Tensor:
+    """``alpha = sign(A) * c`` (``c`` from :func:`acrl_coefficient`), bounded to ``|alpha| <= alpha_max``.
+
+    Args:
+        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used.
+        coef: a float or ``[B, 1]`` (one per sequence), in the weights' dtype.
+    Returns:
+        ``alpha`` broadcast to ``advantages``' shape.
+    """
+    alpha = torch.sign(advantages.detach()) * coef
+    if alpha_max is not None:
+        alpha = alpha.clamp(-alpha_max, alpha_max)
+    return alpha
 
 
 class AcrlController:
@@ -86,7 +180,7 @@ class AcrlController:
         return {
             "acrl/x": self.x,
             "acrl/y": self.y,
-            "acrl/y_over_x": self.y / max(self.x, self.cfg.eps),
+            "acrl/y_over_x": self.signal().y_over_x(self.cfg.eps),
             "acrl/gamma": self.cfg.gamma,
         }
 
@@ -114,14 +208,6 @@ class AcrlController:
         self.x = None if state["x"] is None else float(state["x"])
         self.y = None if state["y"] is None else float(state["y"])
         self._x_next = None if state["x_next"] is None else float(state["x_next"])
-
-    def broadcast(self, src: int, group=None) -> None:
-        """Make every rank of ``group`` hold ``src``'s state (one small object broadcast)."""
-        import torch.distributed as dist
-
-        obj = [self.state_dict()]
-        dist.broadcast_object_list(obj, src=src, group=group)
-        self.load_state_dict(obj[0])
 
     def __repr__(self) -> str:
         return f"AcrlController(x={self.x}, y={self.y}, updates={self.num_updates}, gamma={self.cfg.gamma})"

@@ -1,12 +1,14 @@
-"""The CPU fast path of the correction: ``_fused_cpu.c`` through ``ctypes``.
+"""The CPU fast path of the correction: ``_fused_cpu.c`` through ``ctypes``, and when to take it.
 
 On a CPU, one micro-batch's correction in eager PyTorch is a few dozen small ops and costs their
-dispatch; the two C loops compute the same quantities in one pass each (see the C file for the
-numerics). :class:`~megatron_acrl.correction.metrics.MismatchTensors` and
-:func:`~megatron_acrl.correction.weights.compute_correction` use them automatically for float32 CPU
-tensors when the library builds (:mod:`ckernels`), and fall back to their PyTorch path,
-which stays the reference and the GPU path, otherwise. ``tests/test_fused_cpu.py`` checks the two
-paths agree.
+dispatch; the C loops compute the same quantities in one pass each (see the C file for the
+numerics). The path is chosen once per run, explicitly: ``correction.kernel`` (``auto``, ``torch``
+or ``fused_cpu``) is resolved by :func:`resolve_kernel` where the loss adapter is built, and the
+resulting boolean travels down as ``fused`` to
+:class:`~megatron_acrl.correction.mismatch.MismatchTensors` (the shared sums) and from there to
+:func:`~megatron_acrl.correction.weights.compute_correction` (ACRL's weights). Nothing in the math
+looks at the device. The PyTorch path stays the reference and the GPU path;
+``tests/test_fused_cpu.py`` checks the two agree with each other and with a float64 reference.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import ctypes
 import functools
 import math
 from pathlib import Path
+from typing import get_args
 
 import torch
 from torch import Tensor
 
 from ckernels import load_library
+from megatron_acrl.config import CorrectionKernel
 
 SOURCE = Path(__file__).with_name("_fused_cpu.c")
 NUM_ROWS = 9  # rows of MismatchTensors.ROWS, in that order
@@ -52,15 +56,47 @@ def available() -> bool:
     return _lib() is not None
 
 
-def usable(logp: Tensor, logq: Tensor, mask: Tensor) -> bool:
-    """Whether the fused path applies: 2-D float32 CPU log-probs and a same-shape mask."""
+KERNELS: tuple[str, ...] = get_args(CorrectionKernel)
+"""The values of ``correction.kernel``."""
+
+
+def resolve_kernel(kernel: str, device: torch.device | str) -> bool:
+    """Whether the correction runs the fused C pass, for ``correction.kernel`` and the trainer's device.
+
+    ``auto``: on a CPU device when the library builds, else the PyTorch path; ``torch``: never;
+    ``fused_cpu``: always, refused here (with the field and the fix) when the device is not a CPU or
+    the library did not build. Called once, where the loss adapter is built.
+    """
+    device = torch.device(device)
+    if kernel == "torch":
+        return False
+    if kernel == "auto":
+        return device.type == "cpu" and available()
+    if kernel != "fused_cpu":
+        raise ValueError(f"correction.kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if device.type != "cpu":
+        raise ValueError(
+            f"correction.kernel=fused_cpu runs on CPU tensors only, but the trainer runs on {device}; "
+            "set correction.kernel=auto (or torch)"
+        )
+    if not available():
+        raise ValueError(
+            f"correction.kernel=fused_cpu: {SOURCE.name} did not build (the log says why; a C compiler "
+            "is needed: install gcc or set $CC); set correction.kernel=auto (or torch) to use the "
+            "PyTorch path"
+        )
+    return True
+
+
+def usable(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> bool:
+    """Whether the fused pass can take these tensors: 2-D float32 CPU log-probs, a same-shape mask."""
     return (
-        logp.device.type == "cpu"
-        and logq.device.type == "cpu"
-        and logp.dtype == torch.float32
-        and logq.dtype == torch.float32
-        and logp.dim() == 2
-        and logp.shape == logq.shape == mask.shape
+        old_logprobs.device.type == "cpu"
+        and rollout_logprobs.device.type == "cpu"
+        and old_logprobs.dtype == torch.float32
+        and rollout_logprobs.dtype == torch.float32
+        and old_logprobs.dim() == 2
+        and old_logprobs.shape == rollout_logprobs.shape == mask.shape
         and available()
     )
 
@@ -75,27 +111,30 @@ def _mask_bytes(mask: Tensor) -> Tensor:
     return _rows(m)
 
 
-def mismatch_pass(logp: Tensor, logq: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def mismatch_pass(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sequence row sums, token extrema and the controller's statistics of one micro-batch.
 
     Args:
-        logp, logq: ``[B, T]`` float32 log pi and log mu (detached; padding may hold anything).
+        old_logprobs, rollout_logprobs: ``[B, T]`` float32 log pi_old and log mu (detached; padding
+            may hold anything).
         mask: ``[B, T]`` response mask.
     Returns:
         ``seq_sums`` ``[9, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`), ``extremes`` ``[3]``
-        float64: max over valid tokens of -log rho, log rho and |pi - mu| (-inf if none), and
+        float64: max over valid tokens of -log rho, log rho and |pi_old - mu| (-inf if none), and
         ``discrepancy`` ``[3, 2]`` float64: for ``prob_abs``, ``logprob_abs`` and ``k3`` (rows, in
         :data:`DISCREPANCY_INDEX` order) the sum over sequences with a valid token of their mean
         distance (ACRL's Y_i) and the number of such sequences: ``acrl_discrepancy_stats`` per row.
     """
-    lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
-    b, t = lp.shape
+    old, roll, m = _rows(old_logprobs.detach()), _rows(rollout_logprobs.detach()), _mask_bytes(mask)
+    b, t = old.shape
     # one buffer for every output: on a CPU each allocation is a call worth saving (see the module doc)
     n = NUM_ROWS * b
     out = torch.empty(n + 9, dtype=torch.float64)
     ptr = out.data_ptr()
     _lib().acrl_mismatch_pass(  # type: ignore[union-attr]
-        lp.data_ptr(), lq.data_ptr(), m.data_ptr(), b, t, lp.stride(0), lq.stride(0), m.stride(0),
+        old.data_ptr(), roll.data_ptr(), m.data_ptr(), b, t, old.stride(0), roll.stride(0), m.stride(0),
         ptr, ptr + 8 * (n + 6), ptr + 8 * n,
     )  # fmt: skip
     return out[:n].view(NUM_ROWS, b), out[n + 6 :], out[n : n + 6].view(3, 2)
@@ -105,8 +144,8 @@ DISCREPANCY_INDEX = {"prob_abs": 0, "logprob_abs": 1, "k3": 2}
 
 
 def acrl_weights(
-    logp: Tensor,
-    logq: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
     mask: Tensor,
     advantages: Tensor,
     coef: Tensor | float,
@@ -118,10 +157,13 @@ def acrl_weights(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """ACRL weights ``exp(clamp(alpha * clamp(log rho)))`` and their sums, in one pass.
 
+    The C twin of the ``acrl`` entry of ``weights.METHODS``, with ``alpha = sign(A) * coef`` as in
+    ``acrl.acrl_alpha``.
+
     Args:
-        logp, logq: ``[B, T]`` float32 log pi_old and log mu. mask: ``[B, T]``.
+        old_logprobs, rollout_logprobs: ``[B, T]`` float32 log pi_old and log mu. mask: ``[B, T]``.
         advantages: ``[B, T]`` (any strides, e.g. a ``[B, 1]`` expanded) or ``[B, 1]``; only the sign.
-        coef: ``gamma * (1 - Y / X)``, a float or ``[B]`` per sequence.
+        coef: ``gamma * (1 - Y / X)`` (``acrl.acrl_coefficient``), a float or ``[B]`` per sequence.
         alpha_max: bound on ``|alpha|``; weight_low / weight_high: clamp of the weights (None: none).
         num_tokens: the global token count the sums are divided by.
     Returns:
@@ -129,8 +171,8 @@ def acrl_weights(
         tokens of w, w^2, alpha, |alpha| divided by ``num_tokens`` (partial means),
         ``extremes`` ``[2]`` float64 (max w, min w; -inf/+inf if none).
     """
-    lp, lq, m = _rows(logp.detach()), _rows(logq.detach()), _mask_bytes(mask)
-    b, t = lp.shape
+    old, roll, m = _rows(old_logprobs.detach()), _rows(rollout_logprobs.detach()), _mask_bytes(mask)
+    b, t = old.shape
     a = advantages.detach()
     if a.dtype != torch.float32:
         a = a.float()
@@ -148,7 +190,7 @@ def acrl_weights(
     weights = torch.empty((b, t), dtype=torch.float32)
     sums = torch.empty(6, dtype=torch.float64)  # 4 means, then max w and min w
     _lib().acrl_weights_pass(  # type: ignore[union-attr]
-        lp.data_ptr(), lq.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, lp.stride(0), lq.stride(0),
+        old.data_ptr(), roll.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, old.stride(0), roll.stride(0),
         m.stride(0), sa_b, sa_t, None if per_seq is None else per_seq.data_ptr(), coef0,
         _bound(alpha_max), 0.0 if weight_low is None else weight_low, _bound(weight_high),
         1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), sums.data_ptr() + 32,

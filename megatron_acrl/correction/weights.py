@@ -1,56 +1,46 @@
-"""Per-token correction weights for the training-inference mismatch (pure tensor functions).
+"""Per-token correction weights for the training-inference mismatch: one small function per method.
 
-All functions take ``log_ratio = log pi_old - log mu`` ``[B, T]`` (0 on padding, see
-:class:`~megatron_acrl.correction.metrics.MismatchTensors`) and the boolean response mask, and
-return detached weights ``[B, T]`` that multiply the per-token policy-gradient loss. A weight of 0
+Every method reads one micro-batch's :class:`~megatron_acrl.correction.mismatch.MismatchTensors`
+(``log rho = log pi_old - log mu``, ``[B, T]``, 0 on padding, and the boolean response mask) and
+returns detached weights ``[B, T]`` that multiply the per-token policy-gradient loss. A weight of 0
 drops the token (or the whole sequence) from the gradient; denominators are not changed by it.
 
-Methods (field vocabulary):
+:data:`METHODS` maps the field's vocabulary (``correction.method``) to those functions, with
+``rho = pi_old / mu``:
+
+- ``none``: ``w = 1``.
 - ``tis``: token truncated IS, ``w = clamp(rho, low, high)`` (slime ``--use-tis``, verl token IS).
 - ``seq_tis``: sequence truncated IS, ``w = clamp(prod_t rho, low, high)`` on every token.
 - ``seq_mis``: sequence masked IS, ``w = prod_t rho`` if it lies in ``[low, high]``, else 0.
 - ``geo_mis``: geometric-mean rejection, keep a sequence (``w = 1``) iff ``exp(mean_t log rho)``
   lies in ``[low, high]`` (verl ``seq_mean_k1`` rejection).
 - ``icepop``: ``w = rho`` if ``rho`` in ``[a, b]`` else 0.
-- ``acrl``: ``w = rho ** alpha``, ``alpha = gamma * sign(A) * (1 - Y / X)`` (see ``acrl.py``).
-- veto (any method, ``veto_threshold``): drop a sequence with any token ``rho < threshold``.
-- extra sequence masks (``masks``): ``seq_mis`` / ``geo_mis`` bands composed as masks only.
+- ``acrl``: ``w = rho ** alpha``, ``alpha = gamma * sign(A) * (1 - Y / X)`` (formula in ``acrl.py``).
+
+One composition step, shared by every method, follows (:func:`compute_correction`): the extra
+sequence masks (``masks``: the ``seq_mis`` / ``geo_mis`` bands as masks only), the veto
+(``veto_threshold``: drop a sequence with any token ``rho < threshold``), batch normalisation, and the
+weights' partial metrics.
+
+With ``sh.fused`` (the caller chose the C kernel), plain ACRL -- no masks, veto or normalisation --
+is one C pass for the weights and their metrics (:func:`fused_cpu.acrl_weights`), with the same
+results as the ``acrl`` entry here (``tests/test_fused_cpu.py``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import fused_cpu
-from megatron_acrl.correction.metrics import (
-    LOG_RATIO_BOUND,
-    MismatchTensors,
-    _const,
-    row_sums,
-    weight_metrics,
-)
-
-
-@dataclass(frozen=True)
-class AcrlSignal:
-    """What the ACRL controller hands the loss for one rollout batch (same on every rank).
-
-    Attributes:
-        x: reference sequence-level discrepancy X.
-        y: this batch's sequence-level discrepancy Y.
-    The control strength gamma lives in :class:`CorrectionConfig`.
-    """
-
-    x: float
-    y: float
-
-    def y_over_x(self, eps: float) -> float:
-        return self.y / max(self.x, eps)
+from megatron_acrl.correction.acrl import AcrlSignal, acrl_alpha, acrl_coefficient
+from megatron_acrl.correction.metrics import row_sums, weight_metrics
+from megatron_acrl.correction.mismatch import LOG_RATIO_BOUND, MismatchTensors, cached_const
 
 
 @dataclass
@@ -66,199 +56,228 @@ class Correction:
     metrics: dict[str, Tensor]
 
 
+@dataclass
+class MethodWeights:
+    """What one method hands the composition step.
+
+    Attributes:
+        weights: ``[B, T]`` in the log-probs' dtype, 0 on padding.
+        seq_keep: ``[B]`` bool, the sequences the method itself keeps (``seq_mis``, ``geo_mis``).
+        token_rows: ``[B, T]`` rows (0 on padding) reported as token means, by full metric name.
+        seq_rows: ``[B]`` rows (0 for empty sequences) reported as sequence means, by full name.
+    """
+
+    weights: Tensor
+    seq_keep: Tensor | None = None
+    token_rows: dict[str, Tensor] = field(default_factory=dict)
+    seq_rows: dict[str, Tensor] = field(default_factory=dict)
+
+
+MethodFn = Callable[[MismatchTensors, CorrectionConfig, Tensor | None, AcrlSignal | None], MethodWeights]
+"""``(sh, cfg, advantages [B, T] or None, the controller's signal or None) -> MethodWeights``."""
+
+
+def _zero(sh: MismatchTensors) -> Tensor:
+    return cached_const(0.0, sh.dtype, sh.old_logprobs.device)
+
+
+def _log_band(values: Tensor, low: float, high: float) -> Tensor:
+    """``low <= exp(values) <= high``, compared in log space (``low = 0``: no lower bound)."""
+    lo, hi = _log_bounds(low, high)
+    return (values >= lo) & (values <= hi)
+
+
 def _log_bounds(low: float, high: float) -> tuple[float, float]:
     return (math.log(low) if low > 0 else -math.inf), math.log(high)
 
 
-_DISTANCE_ROW = {"prob_abs": "prob_abs", "logprob_abs": "logprob_abs", "k3": "k3"}
+def _seq_log_ratio(sh: MismatchTensors) -> Tensor:
+    """``[B]`` float64 ``log prod_t rho``."""
+    return sh.seq_sums[sh.row("log_ratio")]
 
 
-def _distance_row(distance: str) -> str:
-    if distance not in _DISTANCE_ROW:
-        raise ValueError(f"correction.distance must be prob_abs, logprob_abs or k3; got {distance!r}")
-    return _DISTANCE_ROW[distance]
+def _per_sequence(sh: MismatchTensors, w_seq: Tensor) -> Tensor:
+    """``[B]`` sequence weights -> ``[B, T]`` on the valid tokens."""
+    return torch.where(sh.mask, w_seq.to(sh.dtype).unsqueeze(-1), _zero(sh))
 
 
-def _shared(logp: Tensor | None, logq: Tensor | None, mask: Tensor | None, shared: MismatchTensors | None):
-    return shared if shared is not None else MismatchTensors(logp, logq, mask)  # type: ignore[arg-type]
+def seq_mis_keep(sh: MismatchTensors, cfg: CorrectionConfig) -> Tensor:
+    """``[B]`` bool: ``prod_t rho`` in ``[seq_low, seq_high]``."""
+    return _log_band(_seq_log_ratio(sh), cfg.seq_low, cfg.seq_high)
 
 
-def sequence_discrepancy(
-    logp: Tensor | None,
-    logq: Tensor | None,
-    mask: Tensor | None,
-    distance: str,
-    *,
-    shared: MismatchTensors | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per-sequence discrepancy ``Y_i``: the mean over valid tokens of a per-token distance.
-
-    Args:
-        logp: ``[B, T]`` log pi_old. logq: ``[B, T]`` log mu. mask: ``[B, T]``.
-        distance: ``prob_abs`` (|pi - mu|, the paper's), ``logprob_abs`` (|log pi - log mu|) or
-            ``k3`` (rho - 1 - log rho, rho = pi / mu).
-        shared: precomputed intermediates (then logp/logq/mask may be None).
-    Returns:
-        ``(y [B] float64, valid [B] bool)``; ``y`` is 0 for sequences with no valid token.
-    """
-    row = _distance_row(distance)
-    sh = _shared(logp, logq, mask, shared)
-    return sh.seq_mean(row), sh.valid
+def geo_mis_keep(sh: MismatchTensors, cfg: CorrectionConfig) -> Tensor:
+    """``[B]`` bool: ``exp(mean_t log rho)`` in ``[geo_low, geo_high]``."""
+    return _log_band(sh.seq_mean("log_ratio"), cfg.geo_low, cfg.geo_high)
 
 
-def acrl_discrepancy_stats(
-    logp: Tensor | None,
-    logq: Tensor | None,
-    mask: Tensor | None,
-    distance: str,
-    *,
-    shared: MismatchTensors | None = None,
+SEQUENCE_MASKS: dict[str, Callable[[MismatchTensors, CorrectionConfig], Tensor]] = {
+    "seq_mis": seq_mis_keep,
+    "geo_mis": geo_mis_keep,
+}
+"""The sequence masks ``correction.masks`` composes with any method, by name."""
+
+
+def _none(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    return MethodWeights(sh.mask.to(sh.dtype))
+
+
+def _tis(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    rho, m = sh.rho, sh.mask
+    return MethodWeights(
+        torch.where(m, rho.clamp(cfg.tis_low, cfg.tis_high), _zero(sh)),
+        token_rows={
+            "correction/clip_frac_high": (rho > cfg.tis_high) & m,
+            "correction/clip_frac_low": (rho < cfg.tis_low) & m,
+        },
+    )
+
+
+def _icepop(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    rho, m = sh.rho, sh.mask
+    high, low = (rho > cfg.icepop_high) & m, (rho < cfg.icepop_low) & m
+    return MethodWeights(
+        torch.where(high | low | ~m, _zero(sh), rho),
+        token_rows={"correction/mask_frac_high": high, "correction/mask_frac_low": low},
+    )
+
+
+def _seq_tis(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    s = _seq_log_ratio(sh)
+    lo, hi = _log_bounds(cfg.seq_low, cfg.seq_high)
+    w_seq = torch.exp(s.clamp(lo, hi).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    return MethodWeights(
+        _per_sequence(sh, w_seq),
+        seq_rows={
+            "correction/seq_clip_frac_high": s > hi,
+            "correction/seq_clip_frac_low": (s < lo) & sh.valid,
+        },
+    )
+
+
+def _seq_mis(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    w_seq = torch.exp(_seq_log_ratio(sh).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    return MethodWeights(_per_sequence(sh, w_seq), seq_keep=seq_mis_keep(sh, cfg))
+
+
+def _geo_mis(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    return MethodWeights(sh.mask.to(sh.dtype), seq_keep=geo_mis_keep(sh, cfg))
+
+
+def _acrl_inputs(advantages: Tensor | None, signal: AcrlSignal | None) -> tuple[Tensor, AcrlSignal]:
+    if advantages is None or signal is None:
+        raise ValueError("correction.method=acrl needs advantages and the controller's AcrlSignal")
+    return advantages, signal
+
+
+def _acrl(
+    sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
+) -> MethodWeights:
+    advantages, signal = _acrl_inputs(advantages, signal)
+    coef = acrl_coefficient(cfg, signal, sh)
+    if isinstance(coef, Tensor):  # per sequence: [B] float64 -> [B, 1] in the weights' dtype
+        coef = coef.to(sh.dtype).unsqueeze(-1)
+    zero, m = _zero(sh), sh.mask
+    # alpha is 0 on padding, so the weight there is exp(0) = 1 until the final masking.
+    alpha = torch.where(m, acrl_alpha(advantages, coef, cfg.alpha_max), zero)
+    weights = (alpha * sh.clamped).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
+    if cfg.weight_low is not None or cfg.weight_high is not None:
+        weights = weights.clamp_(cfg.weight_low, cfg.weight_high)
+    weights = torch.where(m, weights, zero, out=weights)
+    return MethodWeights(weights, token_rows={"acrl/alpha_mean": alpha, "acrl/alpha_abs_mean": alpha.abs()})
+
+
+METHODS: dict[str, MethodFn] = {
+    "none": _none,
+    "tis": _tis,
+    "seq_tis": _seq_tis,
+    "seq_mis": _seq_mis,
+    "geo_mis": _geo_mis,
+    "icepop": _icepop,
+    "acrl": _acrl,
+}
+"""``correction.method`` -> the function computing its weights (before the composition step)."""
+
+
+def _composes(cfg: CorrectionConfig) -> bool:
+    """Whether the composition step changes anything beyond the method's own weights."""
+    return bool(cfg.masks) or cfg.veto_threshold is not None or cfg.batch_normalize
+
+
+def _compose(
+    sh: MismatchTensors, cfg: CorrectionConfig, out: MethodWeights, weight_mean: Tensor | float | None
 ) -> Tensor:
-    """Local sufficient statistics of the batch discrepancy Y, to be all-reduced (SUM).
+    """Extra sequence masks, the veto, then batch normalisation, on one method's weights.
 
-    Returns:
-        ``[2]`` float64: (sum over valid local sequences of Y_i, number of valid local sequences).
-        ``Y = stats[0] / stats[1]`` after the all-reduce over data-parallel ranks.
+    Adds the ``seq_masked_frac`` / ``seq_veto_frac`` rows to ``out.seq_rows``; returns the final
+    detached ``[B, T]`` weights.
     """
-    row = _distance_row(distance)
-    sh = _shared(logp, logq, mask, shared)
-    if sh.discrepancy is not None:  # the fused pass summed them already
-        return sh.discrepancy[fused_cpu.DISCREPANCY_INDEX[row]]
-    return torch.stack([sh.seq_mean(row), sh.valid_f]).sum(-1)
-
-
-def acrl_alpha(
-    advantages: Tensor,
-    y_over_x: Tensor | float,
-    gamma: float,
-    alpha_max: float | None = None,
-) -> Tensor:
-    """``alpha = gamma * sign(A) * (1 - Y/X)``, optionally bounded to ``|alpha| <= alpha_max``.
-
-    Args:
-        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used.
-        y_over_x: scalar or ``[B, 1]`` (per-sequence Y) ratio Y / X.
-    Returns:
-        ``alpha`` broadcast to ``advantages``' shape.
-    """
-    alpha = torch.sign(advantages.detach()) * (gamma * (1.0 - y_over_x))
-    if alpha_max is not None:
-        alpha = alpha.clamp(-alpha_max, alpha_max)
-    return alpha
+    seq_keep = out.seq_keep
+    for extra in cfg.masks:
+        keep = SEQUENCE_MASKS[extra](sh, cfg)
+        seq_keep = keep if seq_keep is None else seq_keep & keep
+    if seq_keep is not None:
+        out.seq_rows["correction/seq_masked_frac"] = (~seq_keep) & sh.valid
+    if cfg.veto_threshold is not None:
+        vetoed = ((sh.log_ratio < math.log(cfg.veto_threshold)) & sh.mask).any(-1)
+        out.seq_rows["correction/seq_veto_frac"] = vetoed
+        seq_keep = ~vetoed if seq_keep is None else seq_keep & ~vetoed
+    weights = out.weights
+    if seq_keep is not None:
+        weights = weights * seq_keep.unsqueeze(-1)
+    if cfg.batch_normalize:
+        mean = weight_mean if weight_mean is not None else weights.sum() / sh.mask.sum().clamp_min(1)
+        weights = weights / torch.as_tensor(mean, dtype=weights.dtype, device=weights.device).clamp_min(1e-8)
+    return weights.detach()
 
 
 def compute_correction(
     cfg: CorrectionConfig,
-    old_logprobs: Tensor | None,
-    rollout_logprobs: Tensor | None,
-    mask: Tensor | None,
+    sh: MismatchTensors,
     *,
     num_tokens: int | Tensor,
     num_seqs: int | Tensor,
     advantages: Tensor | None = None,
     acrl: AcrlSignal | None = None,
     weight_mean: Tensor | float | None = None,
-    shared: MismatchTensors | None = None,
 ) -> Correction:
     """Correction weights of ``cfg.method`` plus their partial metrics.
 
     Args:
         cfg: correction settings.
-        old_logprobs: ``[B, T]`` log pi_old (trainer, before the update).
-        rollout_logprobs: ``[B, T]`` log mu (rollout engine).
-        mask: ``[B, T]`` response mask.
+        sh: the micro-batch's shared intermediates (log pi_old, log mu, mask, all ``[B, T]``); its
+            ``fused`` flag (the caller's kernel choice) selects the C pass for plain ACRL.
         num_tokens / num_seqs: global denominators of the metrics.
         advantages: ``[B, T]`` advantages (needed by ``acrl`` for sign(A)).
         acrl: the controller's signal for this batch (needed by ``acrl``).
         weight_mean: global mean weight over valid tokens for ``batch_normalize``; None uses this
             call's own tokens (exact only when this call sees the whole batch).
-        shared: precomputed intermediates (then the three tensors may be None).
     Returns:
         :class:`Correction` with detached ``weights`` ``[B, T]``.
     """
-    sh = _shared(old_logprobs, rollout_logprobs, mask, shared)
-    plain_acrl = not (cfg.masks or cfg.veto_threshold is not None or cfg.batch_normalize)
-    if cfg.method == "acrl" and sh.fused and plain_acrl:  # one C pass (fused_cpu); same result
+    method = METHODS.get(cfg.method)
+    if method is None:
+        raise ValueError(f"unknown correction.method {cfg.method!r}")
+    if cfg.method == "acrl" and sh.fused and not _composes(cfg):  # one C pass (fused_cpu); same result
         return _acrl_fused(cfg, sh, num_tokens=num_tokens, advantages=advantages, acrl=acrl)
-    d, dc, m = sh.log_ratio, sh.clamped, sh.mask
-    zero = _const(0.0, d.dtype, d.device)
-    tok_rows: dict[str, Tensor] = {}  # [B, T] rows averaged over global tokens in one reduction
-    seq_rows: dict[str, Tensor] = {}  # [B] rows averaged over global sequences in one reduction
-    method = cfg.method
-    seq_keep: Tensor | None = None  # [B] bool, sequences kept by masks / veto
-    seq_log_ratio = sh.seq_sums[sh.row("log_ratio")]  # [B] float64: log prod_t rho
-
-    def band(values: Tensor, low: float, high: float) -> Tensor:
-        lo, hi = _log_bounds(low, high)
-        return (values >= lo) & (values <= hi)
-
-    if method == "none":
-        weights = m.to(d.dtype)
-    elif method == "tis":
-        rho = sh.rho
-        weights = torch.where(m, rho.clamp(cfg.tis_low, cfg.tis_high), zero)
-        tok_rows["correction/clip_frac_high"] = (rho > cfg.tis_high) & m
-        tok_rows["correction/clip_frac_low"] = (rho < cfg.tis_low) & m
-    elif method == "icepop":
-        rho = sh.rho
-        high, low = (rho > cfg.icepop_high) & m, (rho < cfg.icepop_low) & m
-        weights = torch.where(high | low | ~m, zero, rho)
-        tok_rows["correction/mask_frac_high"], tok_rows["correction/mask_frac_low"] = high, low
-    elif method in ("seq_tis", "seq_mis"):
-        s = seq_log_ratio
-        lo, hi = _log_bounds(cfg.seq_low, cfg.seq_high)
-        if method == "seq_tis":
-            w_seq = torch.exp(s.clamp(lo, hi).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-            seq_rows["correction/seq_clip_frac_high"] = s > hi
-            seq_rows["correction/seq_clip_frac_low"] = (s < lo) & sh.valid
-        else:
-            seq_keep = band(s, cfg.seq_low, cfg.seq_high)
-            w_seq = torch.exp(s.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-        weights = torch.where(m, w_seq.to(d.dtype).unsqueeze(-1), zero)
-    elif method == "geo_mis":
-        weights = m.to(d.dtype)
-        seq_keep = band(sh.seq_mean("log_ratio"), cfg.geo_low, cfg.geo_high)
-    elif method == "acrl":
-        if advantages is None or acrl is None:
-            raise ValueError("correction.method=acrl needs advantages and the controller's AcrlSignal")
-        if cfg.per_sequence_y:
-            y_i = sh.seq_mean(_DISTANCE_ROW[cfg.distance])
-            ratio: Tensor | float = (y_i / max(acrl.x, cfg.eps)).to(d.dtype).unsqueeze(-1)
-        else:
-            ratio = acrl.y_over_x(cfg.eps)
-        # alpha is 0 on padding, so the weight there is exp(0) = 1 until the final masking.
-        alpha = torch.where(m, acrl_alpha(advantages, ratio, cfg.gamma, cfg.alpha_max), zero)
-        weights = (alpha * dc).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
-        if cfg.weight_low is not None or cfg.weight_high is not None:
-            weights = weights.clamp_(cfg.weight_low, cfg.weight_high)
-        weights = torch.where(m, weights, zero, out=weights)
-        tok_rows["acrl/alpha_mean"], tok_rows["acrl/alpha_abs_mean"] = alpha, alpha.abs()
-    else:
-        raise ValueError(f"unknown correction.method {method!r}")
-
-    # Extra sequence masks and the veto compose with any method.
-    for extra in cfg.masks:
-        if extra == "seq_mis":
-            keep = band(seq_log_ratio, cfg.seq_low, cfg.seq_high)
-        else:
-            keep = band(sh.seq_mean("log_ratio"), cfg.geo_low, cfg.geo_high)
-        seq_keep = keep if seq_keep is None else seq_keep & keep
-    if seq_keep is not None:
-        seq_rows["correction/seq_masked_frac"] = (~seq_keep) & sh.valid
-    if cfg.veto_threshold is not None:
-        vetoed = ((d < math.log(cfg.veto_threshold)) & m).any(-1)
-        seq_rows["correction/seq_veto_frac"] = vetoed
-        seq_keep = ~vetoed if seq_keep is None else seq_keep & ~vetoed
-    if seq_keep is not None:
-        weights = weights * seq_keep.unsqueeze(-1)
-
-    if cfg.batch_normalize:
-        mean = weight_mean if weight_mean is not None else weights.sum() / m.sum().clamp_min(1)
-        weights = weights / torch.as_tensor(mean, dtype=weights.dtype, device=weights.device).clamp_min(1e-8)
-
-    weights = weights.detach()
-    metrics = weight_metrics(weights, m, num_tokens=num_tokens, extra_token_rows=tok_rows, pad=sh.pad)
-    metrics.update(row_sums({}, seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
+    out = method(sh, cfg, advantages, acrl)
+    weights = _compose(sh, cfg, out, weight_mean)
+    metrics = weight_metrics(
+        weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad
+    )
+    metrics.update(row_sums({}, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
     return Correction(weights=weights, metrics=metrics)
 
 
@@ -270,21 +289,13 @@ def _acrl_fused(
     advantages: Tensor | None,
     acrl: AcrlSignal | None,
 ) -> Correction:
-    """``compute_correction`` for plain ACRL (no masks, veto or batch normalisation) in one C pass.
-
-    Same weights and partial metrics as the PyTorch branch, which stays the reference
-    (``tests/test_fused_cpu.py``).
-    """
-    if advantages is None or acrl is None:
-        raise ValueError("correction.method=acrl needs advantages and the controller's AcrlSignal")
-    if cfg.per_sequence_y:
-        y_i = sh.seq_mean(_DISTANCE_ROW[cfg.distance])
-        coef: Tensor | float = (1.0 - y_i / max(acrl.x, cfg.eps)) * cfg.gamma
-    else:
-        coef = cfg.gamma * (1.0 - acrl.y_over_x(cfg.eps))
+    """:func:`compute_correction` for plain ACRL in one C pass: same weights and partial metrics as
+    the ``acrl`` entry of :data:`METHODS`, which stays the reference (``tests/test_fused_cpu.py``)."""
+    advantages, acrl = _acrl_inputs(advantages, acrl)
     weights, means_t, ext = fused_cpu.acrl_weights(
-        sh.logp, sh.logq, sh.mask, advantages, coef, num_tokens=num_tokens,
-        alpha_max=cfg.alpha_max, weight_low=cfg.weight_low, weight_high=cfg.weight_high,
+        sh.old_logprobs, sh.rollout_logprobs, sh.mask, advantages, acrl_coefficient(cfg, acrl, sh),
+        num_tokens=num_tokens, alpha_max=cfg.alpha_max, weight_low=cfg.weight_low,
+        weight_high=cfg.weight_high,
     )  # fmt: skip
     means = means_t.unbind(0)
     w_max, w_min = ext.unbind(0)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
-from megatron_acrl.correction import AcrlSignal
+from megatron_acrl.correction import AcrlSignal, fused_cpu
 from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
 
 __all__ = ["LossAdapter", "LossFn", "MicroBatch", "ValueLossAdapter", "megatron_loss_scale", "shift_right"]
@@ -84,6 +84,18 @@ class LossAdapter:
         norm_len: constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO); None uses the config.
         entropy: compute token entropies (needed for ``entropy_coef`` > 0; also logged).
         loss_fn: the pure loss; default ``megatron_acrl.losses.rl_loss``.
+        device: where the trainer's tensors live; None: ``cuda`` when available, else ``cpu`` (as
+            the trainer itself decides).
+
+    Attributes:
+        fused: ``correction.kernel`` resolved for ``device``, once, here
+            (:func:`~megatron_acrl.correction.fused_cpu.resolve_kernel`): whether the correction
+            runs the fused C pass. Passed to the loss on every call, and read by the policy for the
+            controller's statistics.
+
+    Raises:
+        ValueError: ``correction.kernel=fused_cpu`` and the C library did not build or ``device``
+            is not a CPU.
     """
 
     def __init__(
@@ -98,11 +110,15 @@ class LossAdapter:
         norm_len: int | None = None,
         entropy: bool = True,
         loss_fn: LossFn | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if loss_fn is None:
             from megatron_acrl.losses import rl_loss
 
             loss_fn = rl_loss
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.fused = fused_cpu.resolve_kernel(correction.kernel, device)
         self.algorithm = algorithm
         self.correction = correction
         self.tp_group = tp_group
@@ -185,6 +201,7 @@ class LossAdapter:
                 acrl=acrl,
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
+                fused=self.fused,
                 entropy=ent,
                 ref_logprobs=micro["ref_logprobs"].float() if "ref_logprobs" in micro else None,
                 **({"norm_len": self.norm_len} if self.norm_len is not None else {}),

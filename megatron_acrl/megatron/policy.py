@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_acrl.config import Config
-from megatron_acrl.correction import AcrlController, acrl_discrepancy_stats
+from megatron_acrl.correction import AcrlController, MismatchTensors, acrl_discrepancy_stats
 from megatron_acrl.megatron import checkpoint, convert, hf_io
 from megatron_acrl.megatron.base import ModelTrainer
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn
@@ -246,9 +246,12 @@ class Policy(ModelTrainer):
             per_rank = n // self.dp_size
             sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
             stats = acrl_discrepancy_stats(
-                batch["old_logprobs"][sl].float(),
-                batch["rollout_logprobs"][sl].float(),
-                batch["loss_mask"][sl],
+                MismatchTensors(
+                    batch["old_logprobs"][sl].float(),
+                    batch["rollout_logprobs"][sl].float(),
+                    batch["loss_mask"][sl],
+                    fused=self.adapter.fused,
+                ),
                 self.cfg.correction.distance,
             )
             dist.all_reduce(stats, group=self.pg.dp)

@@ -1,0 +1,172 @@
+"""The shared intermediates of one micro-batch: :class:`MismatchTensors`, built once per micro-batch.
+
+Inputs are the trainer's ``log pi_old`` (``old_logprobs``) and the rollout engine's ``log mu``
+(``rollout_logprobs``) of the sampled tokens, both ``[B, T]``, and a response mask ``[B, T]``
+(1 on response tokens). Padding may hold anything (even inf/nan): it never reaches a result.
+Everything downstream -- the mismatch metrics, the correction weights of every method and the ACRL
+controller's statistics -- reads these tensors instead of recomputing them.
+
+Who computes them is chosen by the caller, once (``correction.kernel``, resolved by the loss
+adapter): ``fused=True`` runs the C pass of :mod:`~megatron_acrl.correction.fused_cpu`,
+``fused=False`` the PyTorch path, which is the reference and the GPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from megatron_acrl.correction import fused_cpu
+
+# exp() of a log-ratio beyond this bound is treated as saturated: rho = e^20 ~ 5e8 is already a
+# catastrophic mismatch, and the bound keeps rho^2 finite in float32.
+LOG_RATIO_BOUND = 20.0
+
+
+@functools.lru_cache(maxsize=64)
+def cached_const(value: float | tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small constant tensor, built once per (value, dtype, device).
+
+    Every ``torch.tensor``/``torch.full`` call is a dispatch; on a 16 x 512 micro-batch the whole
+    correction is a few dozen small ops, so constants are worth caching. Never mutate the result.
+    """
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+class MismatchTensors:
+    """Shared intermediates of one micro-batch, computed once for metrics, weights and ACRL.
+
+    Everything is detached. Padding holds ``log pi_old = log mu = log rho = 0``, so every per-token
+    quantity below is exactly 0 there and sums need no further masking. All per-token rows live
+    in one ``[K, B, T]`` buffer written in place and reduced once: on a micro-batch the correction
+    is a few dozen small ops, and their number, not their size, is what it costs.
+
+    With ``fused=True`` the sums and extrema come from one C pass instead
+    (:mod:`~megatron_acrl.correction.fused_cpu`), and the per-token rows are only built, by the
+    PyTorch path, if something asks for them.
+
+    Args:
+        old_logprobs: ``[B, T]`` log pi_old. rollout_logprobs: ``[B, T]`` log mu.
+        mask: ``[B, T]`` response mask (bool or 0/1).
+        fused: run the fused C pass (needs 2-D float32 CPU log-probs and a built library: the
+            caller resolves ``correction.kernel`` with :func:`fused_cpu.resolve_kernel`) or the
+            PyTorch path.
+
+    Attributes:
+        mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: 0 on valid tokens,
+            -inf on padding. dtype: the promoted dtype of the two log-prob tensors.
+        log_ratio: ``[B, T]`` ``log rho = log pi_old - log mu``.
+        clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
+        rho: ``[B, T]`` ``exp(clamped)``.
+        per_token: ``[K, B, T]`` rows named by :attr:`ROWS`.
+        seq_sums: ``[K, B]`` float64 row sums over T (PyTorch path: pairwise-summed in the input
+            dtype, except ``log_ratio``'s; fused path: accumulated in float64).
+        extremes: ``[3]`` max over valid tokens of -log rho, log rho and |pi_old - mu| (-inf if none).
+        lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
+        valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
+        discrepancy: fused path only, ``[3, 2]`` float64: per distance (``prob_abs``, ``logprob_abs``,
+            ``k3``) the sum over valid sequences of their mean and their number (ACRL's statistics).
+    """
+
+    ROWS = (
+        "old_logprobs", "rollout_logprobs", "neg_log_ratio", "log_ratio", "prob_abs", "logprob_abs", "k3",
+        "rho_sq_m1", "mask",
+    )  # fmt: skip
+
+    def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, fused: bool):
+        m = mask if mask.dtype == torch.bool else mask.bool()
+        self.mask, self.old_logprobs, self.rollout_logprobs = (
+            m,
+            old_logprobs.detach(),
+            rollout_logprobs.detach(),
+        )
+        self.dtype = torch.promote_types(old_logprobs.dtype, rollout_logprobs.dtype)
+        if fused and not fused_cpu.usable(self.old_logprobs, self.rollout_logprobs, m):
+            raise ValueError(
+                "MismatchTensors(fused=True) needs 2-D float32 CPU log-probs and a built "
+                "correction/_fused_cpu.c (see the log for why it did not build); "
+                "correction.kernel=torch runs the PyTorch path"
+            )
+        self.fused = fused
+        self.discrepancy: Tensor | None = None  # fused: [3, 2] (sum of Y_i, count) per distance
+        if fused:
+            self.seq_sums, self.extremes, self.discrepancy = fused_cpu.mismatch_pass(
+                self.old_logprobs, self.rollout_logprobs, m
+            )
+        else:
+            self._token_rows()
+
+    @functools.cached_property
+    def lens(self) -> Tensor:
+        return self.seq_sums[-1]
+
+    @functools.cached_property
+    def lens_c(self) -> Tensor:
+        return self.lens.clamp_min(1)
+
+    @functools.cached_property
+    def valid_f(self) -> Tensor:
+        return self.lens.clamp_max(1)
+
+    def _token_rows(self) -> None:
+        """The PyTorch path: every per-token row, and (unless fused) the sums and extrema from them."""
+        m, dtype, dev = self.mask, self.dtype, self.old_logprobs.device
+        zero = cached_const(0.0, dtype, dev)
+        rows = torch.empty((len(self.ROWS), *m.shape), dtype=dtype, device=dev)
+        lp_old, lp_roll, nd, d, dp, ad, k3, chi, mf = rows.unbind(0)
+        torch.where(m, self.old_logprobs, zero, out=lp_old)
+        torch.where(m, self.rollout_logprobs, zero, out=lp_roll)
+        torch.sub(lp_old, lp_roll, out=d)
+        torch.sub(lp_roll, lp_old, out=nd)  # k1 per token; its max is -min(log rho)
+        probs = torch.exp(rows[:2])
+        torch.sub(probs[0], probs[1], out=dp).abs_()
+        torch.abs(d, out=ad)
+        dc = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        em1 = torch.expm1(dc)  # rho - 1 without cancellation near rho = 1
+        torch.sub(em1, dc, out=k3)
+        torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
+        mf.copy_(m)
+        # 0 on valid tokens, -inf on padding: x + pad is x masked for a max, x - pad for a min.
+        self._pad = torch.where(m, zero, cached_const(-math.inf, dtype, dev))
+        self._mask_f, self._log_ratio, self._clamped, self._em1 = mf, d, dc, em1
+        self._per_token = rows
+        if self.fused:
+            return
+        self.seq_sums = rows.sum(-1).to(torch.float64)
+        # chi2_seq is exp(2 * sum_t log rho): it amplifies any rounding of that sum, so it alone is
+        # accumulated in float64 (a float64 cast of every row would cost more than all the rest).
+        self.seq_sums[3] = d.sum(-1, dtype=torch.float64)
+        if m.numel() == 0:
+            self.extremes = cached_const((-math.inf,) * 3, dtype, dev)
+        else:  # max(-log rho) = -min(log rho), max log rho, max |dp|: one masked reduction
+            self.extremes = (rows[2:5] + self._pad).amax((1, 2))
+
+    def _row_attr(self, name: str) -> Tensor:
+        if not hasattr(self, "_per_token"):
+            self._token_rows()
+        return getattr(self, name)
+
+    per_token = property(lambda self: self._row_attr("_per_token"))
+    log_ratio = property(lambda self: self._row_attr("_log_ratio"))
+    clamped = property(lambda self: self._row_attr("_clamped"))
+    mask_f = property(lambda self: self._row_attr("_mask_f"))
+    pad = property(lambda self: self._row_attr("_pad"))
+
+    @functools.cached_property
+    def valid(self) -> Tensor:
+        """``[B]`` bool, sequences with at least one valid token."""
+        return self.lens > 0
+
+    @functools.cached_property
+    def rho(self) -> Tensor:
+        return self._row_attr("_em1") + 1.0
+
+    def row(self, name: str) -> int:
+        return self.ROWS.index(name)
+
+    def seq_mean(self, name: str) -> Tensor:
+        """``[B]`` float64 mean over each sequence's valid tokens (0 for empty sequences)."""
+        return self.seq_sums[self.row(name)] / self.lens_c
