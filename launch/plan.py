@@ -23,6 +23,12 @@ from megatron_acrl.config import Config, ConfigError
 
 ServerMode = Literal["driver", "colocated", "dedicated"]
 DEFAULT_API_KEY_ENV = "ACRL_SGLANG_API_KEY"
+"""Variable that holds the per-job API key of servers on their own nodes (unless
+``rollout.api_key_env`` names another)."""
+
+DEFAULT_PORT = 30000
+"""Port of the first rollout server on a server node when the config leaves ``rollout.base_port`` null
+(single-node runs pick free ports instead; server nodes need a port the trainer can be told in advance)."""
 
 
 @dataclass(frozen=True)
