@@ -95,7 +95,7 @@ def score_groups(
     return build_batch(**columns, pad_id=pad_id, routed_experts=experts if any(with_experts) else None)
 
 
-def generate_batch(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
+def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
     """Rank 0: sample ``rollout.n_samples_per_prompt`` completions of each prompt and score them."""
     assert ctx.servers is not None
     cfg = ctx.cfg
@@ -130,7 +130,7 @@ def replayed_batch(ctx: RunContext, step: int) -> RolloutBatch:
     return batch
 
 
-def generated_batch(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, int]:
+def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, int]:
     """Rank 0: ``rollout.prompts_per_step`` groups of fresh samples, and the generation rounds it took.
 
     With DAPO dynamic sampling, groups whose rewards are all equal are dropped and replaced by new
@@ -146,7 +146,7 @@ def generated_batch(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
     while n_kept < need:
         prompts = [next(ctx.prompt_stream) for _ in range(need - n_kept)]
         state.prompts_consumed += len(prompts)
-        b = generate_batch(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000)
+        b = sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000)
         if a.overlong_buffer_len:
             b.rewards = b.rewards + overlong_penalty(
                 b.response_len,
@@ -177,7 +177,7 @@ def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
     """Rank 0: this step's batch (replayed or generated, then recorded with ``--save-rollouts``)."""
     if ctx.args.load_rollouts:
         return replayed_batch(ctx, step), {"rollout/replayed": 1.0}
-    batch, rounds = generated_batch(ctx, state, step)
+    batch, rounds = generate_with_refill(ctx, state, step)
     if ctx.args.save_rollouts:
         save_rollouts(batch, ctx.args.save_rollouts, step)
     return batch, {"rollout/refill_rounds": float(rounds - 1)}
