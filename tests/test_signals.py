@@ -51,12 +51,13 @@ def test_first_signal_asks_to_stop_the_second_interrupts(sig, cleanups):
 
 
 def test_leaving_normally_or_by_an_exception_cleans_up(cleanups):
+    before = signal.getsignal(signal.SIGTERM)
     with stop_on_signals():
         pass
     with pytest.raises(ValueError), stop_on_signals():
         raise ValueError("boom")
     assert cleanups == [1, 1]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_signal_during_clean_up_is_only_noted(monkeypatch):
@@ -79,10 +80,11 @@ def test_train_entry_point_installs_the_handlers_for_the_run(monkeypatch, cleanu
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(train, "setup_run", setup_run)
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(RuntimeError, match="stop here"):
         train.run(None, None)  # type: ignore[arg-type]
     assert getattr(seen[0], "__func__", None) is signals_mod.StopSignals.handle
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and cleanups == [1]
+    assert signal.getsignal(signal.SIGTERM) is before and cleanups == [1]
 
     def interrupted(cfg, args):
         raise Interrupted(signal.SIGTERM)
