@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from _correction_pass import correction_pass
 
+from megatron_acrl.batch import load_rollouts
 from megatron_acrl.config import load_config
 from megatron_acrl.correction import AcrlController
 from megatron_acrl.logging import read_jsonl_metrics
-from megatron_acrl.batch import load_rollouts
 from megatron_acrl.train import parse_args, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,15 +29,16 @@ PHASES = ("time/rollout", "time/logprob", "time/train", "time/sync", "time/step"
 
 def correction_seconds(batch, cfg, repeats: int = 20) -> float:
     """Median time of the full correction path on one rollout batch."""
-    roll = batch.rollout_logprobs
-    old = roll + 0.01 * torch.randn(roll.shape, generator=torch.Generator().manual_seed(0)) * batch.loss_mask
+    rollout_logprobs = batch.rollout_logprobs
+    noise = torch.randn(rollout_logprobs.shape, generator=torch.Generator().manual_seed(0))
+    old_logprobs = rollout_logprobs + 0.01 * noise * batch.loss_mask
     mask = batch.loss_mask > 0
-    adv = torch.randn(len(batch), 1).expand_as(roll)
+    adv = torch.randn(len(batch), 1).expand_as(rollout_logprobs)
     n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
     ctl = AcrlController(cfg.correction)
 
     def once() -> None:
-        correction_pass(cfg.correction, ctl, old, roll, mask, adv, n_tok, n_seq)
+        correction_pass(cfg.correction, ctl, old_logprobs, rollout_logprobs, mask, adv, n_tok, n_seq)
 
     once()
     times = []

@@ -23,6 +23,12 @@ from megatron_acrl.config import Config, ConfigError
 
 ServerMode = Literal["driver", "colocated", "dedicated"]
 DEFAULT_API_KEY_ENV = "ACRL_SGLANG_API_KEY"
+"""Variable that holds the per-job API key of servers on their own nodes (unless
+``rollout.api_key_env`` names another)."""
+
+DEFAULT_PORT = 30000
+"""Port of the first rollout server on a server node when the config leaves ``rollout.base_port`` null
+(single-node runs pick free ports instead; server nodes need a port the trainer can be told in advance)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,17 @@ class JobPlan:
         return self.ranks_per_node
 
 
+@dataclass(frozen=True)
+class ServerPlacement:
+    """Where the SGLang servers go (the second step of :func:`plan_job`)."""
+
+    mode: ServerMode
+    num_servers: int
+    server_tp: int
+    servers_per_node: int
+    server_nodes: int
+
+
 def plan_job(
     cfg: Config,
     nodes: int,
@@ -75,18 +92,54 @@ def plan_job(
     cpus_per_task: int = 1,
     servers_in_job: bool = False,
 ) -> JobPlan:
-    """Lay the job out; raise :class:`ConfigError` naming the problem and the fix."""
-    errors: list[tuple[str, str]] = []
+    """Lay the job out; raise :class:`ConfigError` naming the problem and the fix.
+
+    Steps, each raising the errors it found before the next one runs: the request itself
+    (:func:`check_request`), the servers' placement (:func:`place_servers`), the trainer's ranks per
+    node (:func:`trainer_ranks_per_node`), and the trainer's world against the parallel layout
+    (:func:`check_trainer_world`).
+    """
+    check_request(cfg, nodes, gpus_per_node, servers_in_job)
+    srv = place_servers(cfg, nodes, gpus_per_node, server_nodes, servers_per_node, servers_in_job)
+    trainer_nodes = nodes - srv.server_nodes
+    rpn = trainer_ranks_per_node(cfg, gpus_per_node, srv, trainer_nodes, ranks_per_node)
+    world = trainer_nodes * rpn
+    check_trainer_world(cfg, world, trainer_nodes, rpn)
+    dedicated = srv.mode == "dedicated"
+    return JobPlan(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        trainer_nodes=trainer_nodes,
+        ranks_per_node=rpn,
+        world_size=world,
+        server_mode=srv.mode,
+        server_nodes=srv.server_nodes,
+        num_servers=srv.num_servers,
+        servers_per_node=srv.servers_per_node,
+        server_tp=srv.server_tp,
+        server_host="0.0.0.0" if dedicated else "127.0.0.1",
+        api_key_env=(cfg.rollout.api_key_env or DEFAULT_API_KEY_ENV) if dedicated else None,
+        cpus_per_task=cpus_per_task,
+    )
+
+
+def servers_wanted(cfg: Config) -> tuple[int, int]:
+    """``(number of servers, tensor-parallel size of each)``; replayed rollouts need no server at
+    all: everything is trainer."""
+    r = cfg.rollout
+    return (0 if r.backend == "replay" else r.num_servers), r.server_tp
+
+
+def check_request(cfg: Config, nodes: int, gpus_per_node: int, servers_in_job: bool) -> None:
+    """The node / GPU counts, and the rollout settings the job script fills in or cannot honour."""
     if nodes < 1:
         raise ConfigError([("--nodes", f"must be >= 1, got {nodes}")])
     if gpus_per_node < 0:
         raise ConfigError([("--gpus-per-node", f"must be >= 0 (0 = CPU job), got {gpus_per_node}")])
-    r, p = cfg.rollout, cfg.parallel
-    if r.backend == "replay":
-        # Replayed rollouts need no server at all: everything is trainer.
-        n_srv, srv_tp = 0, r.server_tp
-    else:
-        n_srv, srv_tp = r.num_servers, r.server_tp
+    r = cfg.rollout
+    n_srv, srv_tp = servers_wanted(cfg)
+    G = gpus_per_node
+    errors: list[tuple[str, str]] = []
     if r.server_urls:
         errors.append(
             (
@@ -94,8 +147,6 @@ def plan_job(
                 "is filled in by the job script from the node list; remove it from the config/overrides",
             )
         )
-
-    G = gpus_per_node
     if r.server_cpus and (n_srv == 0 or nodes > 1 or G > 0 or servers_in_job):
         errors.append(
             (
@@ -114,7 +165,20 @@ def plan_job(
         )
     _raise(errors)
 
-    # -- servers ---------------------------------------------------------------------------
+
+def place_servers(
+    cfg: Config,
+    nodes: int,
+    gpus_per_node: int,
+    server_nodes: int | None,
+    servers_per_node: int | None,
+    servers_in_job: bool,
+) -> ServerPlacement:
+    """The server mode (see module doc), servers per node and server nodes; the trainer must keep a
+    node, and servers the job script starts need an HF checkpoint."""
+    n_srv, srv_tp = servers_wanted(cfg)
+    G = gpus_per_node
+    errors: list[tuple[str, str]] = []
     mode: ServerMode
     if n_srv == 0:
         mode, spn, s_nodes = "driver", 0, 0
@@ -133,8 +197,7 @@ def plan_job(
                     f"{n_srv} servers at {spn} per node need {needed} nodes, got {s_nodes}",
                 )
             )
-    trainer_nodes = nodes - s_nodes
-    if trainer_nodes < 1:
+    if nodes - s_nodes < 1:
         errors.append(
             (
                 "--nodes",
@@ -152,37 +215,48 @@ def plan_job(
             )
         )
     _raise(errors)
+    return ServerPlacement(mode, n_srv, srv_tp, spn, s_nodes)
 
-    # -- trainer ranks ---------------------------------------------------------------------
-    if G:
-        rpn = G - (n_srv * srv_tp if mode == "colocated" else 0)
-        if rpn < 1:
-            errors.append(
-                (
-                    "rollout.num_servers",
-                    f"{n_srv} servers x server_tp {srv_tp} use all {G} GPUs of the node; "
-                    "leave GPUs for the trainer or use more nodes",
-                )
-            )
-        if ranks_per_node is not None and ranks_per_node != rpn:
-            errors.append(
-                ("--ranks-per-node", f"GPU jobs run one rank per trainer GPU ({rpn}); drop the flag")
-            )
-    else:
+
+def trainer_ranks_per_node(
+    cfg: Config, gpus_per_node: int, srv: ServerPlacement, trainer_nodes: int, ranks_per_node: int | None
+) -> int:
+    """Trainer ranks per trainer node: one per GPU the servers leave (GPU jobs), else
+    ``--ranks-per-node`` or the config's layout."""
+    G, p = gpus_per_node, cfg.parallel
+    if not G:
         default = p.world_size if (p.world_size and trainer_nodes == 1) else p.tp * p.pp * (p.dp or 1)
-        rpn = ranks_per_node or default
-    _raise(errors)
-    world = trainer_nodes * rpn
-    if p.world_size is not None and p.world_size != world:
+        return ranks_per_node or default
+    errors: list[tuple[str, str]] = []
+    rpn = G - (srv.num_servers * srv.server_tp if srv.mode == "colocated" else 0)
+    if rpn < 1:
         errors.append(
             (
-                "parallel.world_size",
-                f"config asks for {p.world_size} trainer ranks but the job has {world} "
-                f"({trainer_nodes} trainer node(s) x {rpn} ranks); set parallel.world_size={world} "
-                "or change --nodes/--gpus-per-node",
+                "rollout.num_servers",
+                f"{srv.num_servers} servers x server_tp {srv.server_tp} use all {G} GPUs of the node; "
+                "leave GPUs for the trainer or use more nodes",
             )
         )
+    if ranks_per_node is not None and ranks_per_node != rpn:
+        errors.append(("--ranks-per-node", f"GPU jobs run one rank per trainer GPU ({rpn}); drop the flag"))
     _raise(errors)
+    return rpn
+
+
+def check_trainer_world(cfg: Config, world: int, trainer_nodes: int, rpn: int) -> None:
+    """The trainer's world size against ``parallel.world_size`` and ``tp * pp * dp``."""
+    p = cfg.parallel
+    if p.world_size is not None and p.world_size != world:
+        raise ConfigError(
+            [
+                (
+                    "parallel.world_size",
+                    f"config asks for {p.world_size} trainer ranks but the job has {world} "
+                    f"({trainer_nodes} trainer node(s) x {rpn} ranks); set parallel.world_size={world} "
+                    "or change --nodes/--gpus-per-node",
+                )
+            ]
+        )
     try:
         p.data_parallel_size(world)
     except ConfigError as err:
@@ -197,23 +271,6 @@ def plan_job(
                 )
             ]
         ) from None
-
-    dedicated = mode == "dedicated"
-    return JobPlan(
-        nodes=nodes,
-        gpus_per_node=G,
-        trainer_nodes=trainer_nodes,
-        ranks_per_node=rpn,
-        world_size=world,
-        server_mode=mode,
-        server_nodes=s_nodes,
-        num_servers=n_srv,
-        servers_per_node=spn,
-        server_tp=srv_tp,
-        server_host="0.0.0.0" if dedicated else "127.0.0.1",
-        api_key_env=(r.api_key_env or DEFAULT_API_KEY_ENV) if dedicated else None,
-        cpus_per_task=cpus_per_task,
-    )
 
 
 def _raise(errors: list[tuple[str, str]]) -> None:

@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.plan import DEFAULT_PORT
 from megatron_acrl.config import Config, ConfigError, load_config
-from megatron_acrl.exit_codes import CONFIG_ERROR, DEFAULT_PORT
+from megatron_acrl.exit_codes import CONFIG_ERROR
 
 
 @dataclass(frozen=True)

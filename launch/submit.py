@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from launch.cluster import ClusterError, check_plan_fits, partition_info
-from launch.plan import JobPlan, plan_job
+from launch.plan import DEFAULT_PORT, JobPlan, plan_job
 from megatron_acrl import exit_codes
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config, parse_overrides
 
@@ -178,7 +178,7 @@ def render(args: argparse.Namespace, cfg: Config, plan: JobPlan, run_dir: Path, 
         "NUM_SERVERS": str(plan.num_servers),
         "SERVERS_PER_NODE": str(max(plan.servers_per_node, 1)),
         "SERVER_HOST": plan.server_host,
-        "BASE_PORT": str(cfg.rollout.base_port or exit_codes.DEFAULT_PORT),
+        "BASE_PORT": str(cfg.rollout.base_port or DEFAULT_PORT),
         "API_KEY_ENV": plan.api_key_env or "",
         "SERVER_TIMEOUT": f"{timeout:g}",
         "MAX_REQUEUES": str(args.max_requeues),

@@ -132,7 +132,7 @@ def sanitize_logprobs(logprobs: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tens
 def build_batch(
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
-    output_logprobs: Sequence[Sequence[float]],
+    rollout_logprobs: Sequence[Sequence[float]],
     *,
     rewards: Sequence[float],
     group_ids: Sequence[int],
@@ -145,21 +145,23 @@ def build_batch(
 ) -> RolloutBatch:
     """Assemble right-padded tensors from per-sample token lists (see module doc for layout).
 
+    Per sample: ``prompt_ids`` (P >= 1 tokens), ``output_ids`` (O tokens) and their
+    ``rollout_logprobs`` (O floats, ``log mu`` of each output token as the engine sampled it);
     ``routed_experts``: per sample ``[P + O - 1, num_layers, top_k]`` integers (SGLang's routing of
     positions 0 .. P+O-2), or None.
     """
     n = len(prompt_ids)
-    if not (len(output_ids) == len(output_logprobs) == len(rewards) == len(group_ids) == n):
+    if not (len(output_ids) == len(rollout_logprobs) == len(rewards) == len(group_ids) == n):
         raise ValueError(
-            "build_batch: prompt_ids, output_ids, output_logprobs, rewards, group_ids differ in length"
+            "build_batch: prompt_ids, output_ids, rollout_logprobs, rewards, group_ids differ in length"
         )
     width = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids, strict=True))
     tokens = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros(n, width, dtype=torch.float32)
-    lps = torch.zeros(n, width, dtype=torch.float32)
-    for i, (p, o, lp) in enumerate(zip(prompt_ids, output_ids, output_logprobs, strict=True)):
-        if len(lp) != len(o):
-            raise ValueError(f"sample {i}: {len(lp)} log-probs for {len(o)} output tokens")
+    logprobs = torch.zeros(n, width, dtype=torch.float32)
+    for i, (p, o, o_logprobs) in enumerate(zip(prompt_ids, output_ids, rollout_logprobs, strict=True)):
+        if len(o_logprobs) != len(o):
+            raise ValueError(f"sample {i}: {len(o_logprobs)} log-probs for {len(o)} output tokens")
         if not p:
             raise ValueError(
                 f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)"
@@ -168,15 +170,15 @@ def build_batch(
         if o:
             tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
             mask[i, len(p) : len(p) + len(o)] = 1.0
-            lps[i, len(p) : len(p) + len(o)] = torch.tensor(lp, dtype=torch.float32)
-    lps, mask, bad = sanitize_logprobs(lps, mask)
+            logprobs[i, len(p) : len(p) + len(o)] = torch.tensor(o_logprobs, dtype=torch.float32)
+    logprobs, mask, bad = sanitize_logprobs(logprobs, mask)
     experts = None
     if routed_experts is not None:
         experts = _routing_tensor(routed_experts, prompt_ids, output_ids, width)
     return RolloutBatch(
         tokens=tokens,
         loss_mask=mask,
-        rollout_logprobs=lps,
+        rollout_logprobs=logprobs,
         rewards=torch.tensor(list(rewards), dtype=torch.float32),
         group_ids=torch.tensor(list(group_ids), dtype=torch.long),
         response_len=torch.tensor([len(o) for o in output_ids], dtype=torch.long),

@@ -1,9 +1,11 @@
-"""Everything a run holds: the policy (and critic), the rollout servers, the task, the logger.
+"""Everything a run holds, and how it is built: the policy (and critic), the servers, the task, the logger.
 
 :func:`setup_run` builds a :class:`RunContext` on every rank: it initialises the trainer world
-(:mod:`megatron_acrl.distributed`), builds the tiny local model when no
-``model.hf_path`` is given, runs the supervised warm-start if asked, loads the weights into the
-Megatron trainer, and on rank 0 starts the rollout servers (SGLang + weight sync).
+(:mod:`megatron_acrl.distributed`), builds the tiny local model when no ``model.hf_path`` is given,
+runs the supervised warm-start if asked, loads the weights into the Megatron policy (and the PPO
+critic), checks that a rollout batch splits evenly over the layout, and on rank 0 opens the prompt
+stream and starts the rollout servers (:class:`megatron_acrl.rollout_servers.RolloutServers`).
+:meth:`RunContext.push_weights` is the one way the policy's weights reach the servers.
 """
 
 from __future__ import annotations
@@ -11,17 +13,23 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
+import yaml
 
 from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.distributed import broadcast_object, init_distributed, log0
+from megatron_acrl.logging import RunLogger
 from megatron_acrl.tasks import Prompt, Task, make_task
 from sglang_bridge.client import ServerGoneError
+
+if TYPE_CHECKING:
+    from megatron_acrl.megatron.critic import Critic
+    from megatron_acrl.megatron.policy import Policy
+    from megatron_acrl.rollout_servers import RolloutServers
 
 
 @dataclass
@@ -36,14 +44,17 @@ class RunContext:
     model_dir: Path
     tokenizer: Any
     task: Task
-    policy: Any
-    critic: Any = None  # megatron_acrl.megatron.critic.Critic when algorithm.name == "ppo"
-    servers: Any = None  # megatron_acrl.rollout_servers.RolloutServers (rank 0, unless replaying)
-    logger: Any = None
+    policy: Policy
+    critic: Critic | None = None
+    """The PPO value model (``algorithm.name == "ppo"`` only)."""
+    servers: RolloutServers | None = None
+    """Rank 0, unless the run replays recorded rollouts."""
+    logger: RunLogger | None = None
+    """Rank 0, from :meth:`start_logging` on."""
     prompt_stream: Iterator[Prompt] | None = None
+    """Rank 0: the training prompts, positioned after the prompts consumed so far."""
     last_checkpoint_step: int = -1
-    _stop: bool = False
-    extra: dict = field(default_factory=dict)
+    """The step of the last checkpoint written or resumed from (-1: none)."""
 
     @property
     def eos_id(self) -> int:
@@ -86,36 +97,17 @@ class RunContext:
                 self.servers.restart()
         raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")
 
-    # -- checkpoints and stopping --------------------------------------------------------------
-
-    def should_checkpoint(self, step: int) -> bool:
-        t = self.cfg.training
-        return bool(t.checkpoint_dir) and t.save_interval > 0 and step % t.save_interval == 0
-
-    def checkpointed(self, step: int) -> bool:
-        return self.last_checkpoint_step == step
-
-    def request_stop(self) -> None:
-        self._stop = True
-
-    def stop_requested(self) -> bool:
-        """True on every rank if any rank got SIGTERM (one tiny all-reduce per step)."""
-        flag = torch.tensor([1.0 if self._stop else 0.0])
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
     # -- logging -----------------------------------------------------------------------------------
 
     def start_logging(self, config: dict, state: Any) -> None:
-        from megatron_acrl.logging import RunLogger
-
+        """Rank 0: open the run's logger, continuing the W&B run of ``state`` (a resumed run)."""
         if self.rank != 0:
             return
         self.logger = RunLogger(self.cfg.logging, self.run_dir, config=config, resume_id=state.wandb_id)
         state.wandb_id = self.logger.run_id
 
     def close(self) -> None:
+        """Close the logger and stop the servers (rank 0); safe to call twice."""
         if self.logger is not None:
             self.logger.close()
             self.logger = None
@@ -143,19 +135,59 @@ def model_directory(cfg: Config, rank: int) -> Path:
     return build_checkpoint(cfg.model, seed=cfg.training.seed)
 
 
+def prompt_stream(task: Task, seed: int, consumed: int = 0) -> Iterator[Prompt]:
+    """The run's training prompts (``task.train_prompts(seed)``, the same order every time),
+    positioned after the first ``consumed``: a resumed run and a retried rollout continue the data
+    exactly where the run left it."""
+    stream = task.train_prompts(seed=seed)
+    if consumed:
+        next(itertools.islice(stream, consumed - 1, consumed), None)
+    return stream
+
+
+def check_batch_layout(cfg: Config, dp_size: int) -> None:
+    """A rollout batch must split into minibatches of whole micro-batches on every data-parallel rank."""
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    unit = dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
+    if per_step % unit:
+        raise ConfigError(
+            [
+                (
+                    "rollout.prompts_per_step",
+                    f"prompts_per_step x n_samples_per_prompt = {per_step} "
+                    f"must be a multiple of dp({dp_size}) x training.micro_batch_size"
+                    f"({cfg.training.micro_batch_size}) x algorithm.num_minibatches"
+                    f"({cfg.algorithm.num_minibatches}) = {unit}",
+                )
+            ]
+        )
+
+
+def load_models(cfg: Config, model_dir: Path) -> tuple[Policy, Critic | None]:
+    """The Megatron policy and, for PPO, its critic (a value model on the same layout, initialised
+    from the policy's weights), both loaded from ``model_dir``."""
+    from megatron_acrl.megatron.policy import Policy
+
+    policy = Policy(cfg)
+    policy.load_hf(model_dir)
+    critic = None
+    if cfg.algorithm.name == "ppo":
+        from megatron_acrl.megatron.critic import Critic
+
+        critic = Critic(cfg)
+        critic.load_hf(model_dir)
+    return policy, critic
+
+
 def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
     """Build the run on every rank (see module doc)."""
     from transformers import AutoTokenizer
-
-    from megatron_acrl.megatron.policy import Policy
 
     rank, world = init_distributed(cfg)
     run_dir = _run_dir(cfg, args)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(
-            __import__("yaml").safe_dump(config_to_dict(cfg), sort_keys=False)
-        )
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     model_dir = model_directory(cfg, rank)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_path or model_dir))
     task = make_task(cfg.task)
@@ -166,28 +198,8 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         # Tiny local models share one cache (every arm of a study reuses the warm start).
         cache = default_cache_dir() / "sft" if cfg.model.hf_path is None else run_dir / "sft"
         model_dir = sft_warmstart(cfg, model_dir, cache, tokenizer, log=log0)
-    policy = Policy(cfg)
-    policy.load_hf(model_dir)
-    critic = None
-    if cfg.algorithm.name == "ppo":  # value model on the same layout, initialised from the policy
-        from megatron_acrl.megatron.critic import Critic
-
-        critic = Critic(cfg)
-        critic.load_hf(model_dir)
-    per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    unit = policy.dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
-    if per_step % unit:
-        raise ConfigError(
-            [
-                (
-                    "rollout.prompts_per_step",
-                    f"prompts_per_step x n_samples_per_prompt = {per_step} "
-                    f"must be a multiple of dp({policy.dp_size}) x training.micro_batch_size"
-                    f"({cfg.training.micro_batch_size}) x algorithm.num_minibatches"
-                    f"({cfg.algorithm.num_minibatches}) = {unit}",
-                )
-            ]
-        )
+    policy, critic = load_models(cfg, Path(model_dir))
+    check_batch_layout(cfg, policy.dp_size)
     ctx = RunContext(
         cfg=cfg,
         args=args,
@@ -201,7 +213,7 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         critic=critic,
     )
     if rank == 0:
-        ctx.prompt_stream = task.train_prompts(seed=cfg.training.seed)
+        ctx.prompt_stream = prompt_stream(task, cfg.training.seed)
         if not args.load_rollouts:
             from megatron_acrl.rollout_servers import RolloutServers
 
@@ -212,9 +224,3 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
             ctx.servers = RolloutServers(cfg, model_dir, run_dir / "logs")
     dist.barrier()
     return ctx
-
-
-def skip_prompts(ctx: RunContext, n: int) -> None:
-    """Advance the prompt stream by ``n`` (resume at the recorded data position)."""
-    if ctx.prompt_stream is not None and n:
-        next(itertools.islice(ctx.prompt_stream, n - 1, n), None)

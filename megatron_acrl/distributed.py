@@ -1,8 +1,9 @@
-"""The trainer world: torch.distributed + Megatron's parallel layout, and two helpers every phase uses.
+"""The trainer world: torch.distributed + Megatron's parallel layout, and the helpers every phase uses.
 
 :func:`init_distributed` starts the default group from torchrun / srun variables (gloo on CPU, NCCL
-on GPU) and Megatron's TP / PP / EP / DP groups; :func:`log0` prints on the driver rank and
-:func:`broadcast_object` sends rank 0's Python object to every rank.
+on GPU) and Megatron's TP / PP / EP / DP groups; :func:`log0` prints on the driver rank,
+:func:`broadcast_object` sends rank 0's Python object to every rank, and :func:`any_rank` makes one
+rank's flag every rank's (the stop signal).
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one tiny all-reduce), e.g. a stop signal
+    that reached one rank: all ranks must leave the loop at the same step."""
+    box = torch.tensor([1.0 if flag else 0.0])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item() > 0)
 
 
 def init_distributed(cfg: Config) -> tuple[int, int]:

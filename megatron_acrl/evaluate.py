@@ -7,13 +7,17 @@ calls :func:`evaluate` (the weight pushes it makes are collective), rank 0 evalu
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.batch import RolloutBatch
 from megatron_acrl.rollout import encode_prompts, score_groups
+from megatron_acrl.tasks.base import Prompt, Task
+
+if TYPE_CHECKING:
+    from megatron_acrl.context import RunContext
 
 
-def evaluate(ctx: Any, step: int, version: str) -> dict[str, float]:
+def evaluate(ctx: RunContext, step: int, version: str) -> dict[str, float]:
     """Evaluate the served policy: greedy accuracy and mean response length on the held-out split
     (``eval/accuracy``, ``eval/response_length``) and, with ``training.eval_samples``, the sampled
     reward on fixed training prompts (``eval/sampled_reward``). With ``training.eval_trainer_weights``
@@ -31,33 +35,36 @@ def evaluate(ctx: Any, step: int, version: str) -> dict[str, float]:
     return m
 
 
-def _evaluate_served(ctx: Any, prefix: str) -> dict[str, float]:
-    if ctx.rank != 0 or ctx.servers is None:
+def _evaluate_served(ctx: RunContext, prefix: str) -> dict[str, float]:
+    """Rank 0: ``<prefix>/accuracy``, ``<prefix>/response_length`` and ``<prefix>/sampled_reward`` of
+    whatever the servers hold now."""
+    servers = ctx.servers
+    if ctx.rank != 0 or servers is None:
         return {}
     cfg, m = ctx.cfg, {}
 
-    def scored(prompts: list[Any], n: int, params: Any) -> RolloutBatch:
+    def scored(prompts: list[Prompt], n: int, params: Any) -> RolloutBatch:
         ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-        groups = ctx.servers.generate(ids, n, params)
+        groups = servers.generate(ids, n, params)
         return score_groups(
             ctx.task, ctx.tokenizer, prompts, ids, groups, pad_id=ctx.pad_id, eos_id=ctx.eos_id
         )
 
     if prompts := ctx.task.eval_prompts(cfg.task.eval_size):
-        b = scored(prompts, 1, ctx.servers.sampling_params(greedy=True))
+        b = scored(prompts, 1, servers.sampling_params(greedy=True))
         m[f"{prefix}/accuracy"] = float(b.rewards.mean())
         m[f"{prefix}/response_length"] = float(b.response_len.float().mean())
     if cfg.training.eval_samples:
         prompts = fixed_train_prompts(ctx.task, cfg.task.eval_size)
-        b = scored(prompts, cfg.training.eval_samples, ctx.servers.sampling_params())
+        b = scored(prompts, cfg.training.eval_samples, servers.sampling_params())
         m[f"{prefix}/sampled_reward"] = float(b.rewards.mean())
     return m
 
 
-def fixed_train_prompts(task: Any, n: int) -> list[Any]:
+def fixed_train_prompts(task: Task, n: int) -> list[Prompt]:
     """The first ``n`` distinct training prompts of a fixed order (the task's seed-0 stream), the same
     at every eval and in every run."""
-    seen: dict[int, Any] = {}
+    seen: dict[int, Prompt] = {}
     for p in itertools.islice(task.train_prompts(seed=0), 4 * n):
         seen.setdefault(p.uid, p)
         if len(seen) == n:

@@ -10,6 +10,8 @@ Contract with the trainer (``python -m megatron_acrl.train``), one process per r
   they are still writing their part of the checkpoint.
 * ``2`` -- bad config or arguments (:class:`megatron_acrl.config.ConfigError`), nothing started.
 * ``69`` -- rollout servers unavailable (:func:`sglang_bridge.server.wait_for_servers` timed out).
+* ``128 + N`` -- a second SIGTERM / SIGINT (signal N) stopped the rank at once, without a checkpoint
+  of the step (the shell's code for a process ended by that signal, so it reads the same as one).
 * anything else -- a failure; the job ends FAILED with that code and the log says which rank.
 """
 
@@ -76,8 +78,3 @@ def bash_describe_function() -> str:
 
 def _sh(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
-
-
-DEFAULT_PORT = 30000
-"""Port of the first rollout server on a server node when the config leaves ``rollout.base_port`` null
-(single-node runs pick free ports instead; server nodes need a port the trainer can be told in advance)."""

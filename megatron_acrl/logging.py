@@ -4,8 +4,6 @@ Only the driver's rank 0 logs. Every step's metrics go to all sinks; W&B additio
 histograms (per-token log-ratio) and sample tables. ``metrics.jsonl`` in the run directory is the
 plain-text twin of the W&B history that the study's plots and people without W&B read.
 
-Each step also logs :func:`log_extras` (the log-ratio histogram and the sample table).
-
 Offline W&B runs are read back with :func:`read_wandb_history` (the ``.wandb`` file is a
 LevelDB-log framed stream of ``wandb.proto`` records), which is what the tests assert on.
 """
@@ -21,9 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
-from megatron_acrl.batch import RolloutBatch
 from megatron_acrl.config import LoggingConfig
 
 # Keys shown on the console line, in this order, when present.
@@ -235,19 +230,3 @@ def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
                 {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
             )
     return rows
-
-
-def log_extras(cfg: Any, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:
-    """Histogram of per-token log(pi_old / mu) and, every N steps, a table of sample completions."""
-    mask = tb["loss_mask"] > 0
-    out: dict[str, Any] = {
-        "histograms": {"mismatch/log_ratio_hist": (tb["old_logprobs"] - tb["rollout_logprobs"])[mask].numpy()}
-    }
-    n = cfg.logging.sample_table_interval
-    if n and step % n == 0 and batch.prompts:
-        rows = [
-            [batch.prompts[i], batch.completions[i], float(batch.rewards[i])]
-            for i in range(min(8, len(batch)))
-        ]
-        out["table"] = (["prompt", "completion", "reward"], rows)
-    return out

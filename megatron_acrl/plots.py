@@ -2,8 +2,9 @@
 
     python -m megatron_acrl.plots runs/demo [runs/other ...] --out runs/demo/plots
 
-Each figure overlays the runs given, labelled by directory name; the same code draws the study's
-report figures (one curve per arm, mean over seeds with a band).
+Each figure overlays the runs given, labelled by directory name, with a 5-step moving average over
+noisy curves. ``make demo`` ends with :func:`reward_summary`'s line. The study draws its own report
+figures (per-arm means over seeds with a band: :mod:`megatron_acrl.study.report`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.context import RunContext, skip_prompts
+from megatron_acrl.context import RunContext, prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
 
 
@@ -33,6 +33,12 @@ class DriverState:
     weight_version: str = "step-0"
     prompts_consumed: int = 0
     wandb_id: str | None = None
+
+
+def checkpoint_due(ctx: RunContext, step: int) -> bool:
+    """A periodic checkpoint is due after ``step`` (``training.save_interval``)."""
+    t = ctx.cfg.training
+    return bool(t.checkpoint_dir) and t.save_interval > 0 and step % t.save_interval == 0
 
 
 def save_checkpoint(ctx: RunContext, state: DriverState) -> Path | None:
@@ -81,7 +87,8 @@ def load_driver_state(ctx: RunContext) -> DriverState:
         torch.set_rng_state(payload["torch_rng"])
     driver = broadcast_object(payload["driver"] if payload is not None else None)
     state = DriverState(**driver)
-    skip_prompts(ctx, state.prompts_consumed)
+    if ctx.prompt_stream is not None:  # rank 0: the data continues where the checkpoint left it
+        ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, state.prompts_consumed)
     ctx.last_checkpoint_step = state.step
     log0(f"resumed from {step_dir.name}: step {state.step}, weights {state.weight_version}")
     return state

@@ -1,24 +1,32 @@
 """The driver's rollout phase: prompts -> n samples each from the servers -> rewards -> a batch.
 
-Rank 0 draws prompts, generates through :class:`megatron_acrl.rollout_servers.RolloutServers`
-(DAPO dynamic sampling refills dropped groups), scores and packs them into a
-:class:`megatron_acrl.batch.RolloutBatch`, and broadcasts it to every rank. A server that dies
-mid-rollout is restarted and the step retried with the same prompts.
+Rank 0 draws prompts, generates through :class:`megatron_acrl.rollout_servers.RolloutServers`,
+scores and packs them into a :class:`megatron_acrl.batch.RolloutBatch` (or replays a recorded one,
+``--load-rollouts``), and :func:`collect_rollouts` broadcasts it to every rank. DAPO dynamic
+sampling drops groups whose rewards are all equal and refills them with fresh prompts. A server
+that dies mid-rollout is restarted and the step retried with the same prompts.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
+from megatron_acrl.context import prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
 from megatron_acrl.tasks.base import Prompt, Task
 from sglang_bridge.client import ServerGoneError
+
+if TYPE_CHECKING:
+    from megatron_acrl.context import RunContext
+    from megatron_acrl.resume import DriverState
+
+ATTEMPTS = 3
+"""Rollouts of one step tried at most this often (a dead server is restarted in between)."""
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], max_prompt_len: int) -> list[list[int]]:
@@ -46,43 +54,50 @@ def score_groups(
     eos_id: int | None,
     first_group_id: int = 0,
 ) -> RolloutBatch:
-    """Decode, reward and pack the samples of each prompt into a :class:`RolloutBatch`."""
-    rows: dict[str, list[Any]] = {k: [] for k in ("p", "o", "lp", "r", "g", "f", "v", "pt", "ct", "re")}
+    """Decode, reward and pack the samples of each prompt into a :class:`RolloutBatch`.
+
+    ``groups[i]`` holds prompt i's samples (:class:`sglang_bridge.client.Sample`); they become the
+    batch's consecutive rows with group id ``first_group_id + i``.
+    """
+    columns: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "prompt_ids",
+            "output_ids",
+            "rollout_logprobs",
+            "rewards",
+            "group_ids",
+            "finish_reasons",
+            "weight_versions",
+            "prompts",
+            "completions",
+        )
+    }
+    experts = []
     for gi, (prompt, pids, samples) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
         for s in samples:
             out = list(s.output_ids)
             text_ids = out[:-1] if out and eos_id is not None and out[-1] == eos_id else out
             completion = tokenizer.decode(text_ids, skip_special_tokens=True)
-            rows["p"].append(list(pids))
-            rows["o"].append(out)
-            rows["lp"].append(list(s.rollout_logprobs))
-            rows["r"].append(task.reward(prompt, completion))
-            rows["g"].append(first_group_id + gi)
-            rows["f"].append(s.finish_reason)
-            rows["v"].append(str(s.weight_version))
-            rows["pt"].append(prompt.text)
-            rows["ct"].append(completion)
-            rows["re"].append(getattr(s, "routed_experts", None))
-    with_experts = [r is not None for r in rows["re"]]
+            columns["prompt_ids"].append(list(pids))
+            columns["output_ids"].append(out)
+            columns["rollout_logprobs"].append(list(s.rollout_logprobs))
+            columns["rewards"].append(task.reward(prompt, completion))
+            columns["group_ids"].append(first_group_id + gi)
+            columns["finish_reasons"].append(s.finish_reason)
+            columns["weight_versions"].append(str(s.weight_version))
+            columns["prompts"].append(prompt.text)
+            columns["completions"].append(completion)
+            experts.append(getattr(s, "routed_experts", None))
+    with_experts = [e is not None for e in experts]
     if any(with_experts) and not all(with_experts):
         raise ValueError("some samples carry routed_experts and others do not (mixed servers?)")
-    return build_batch(
-        rows["p"],
-        rows["o"],
-        rows["lp"],
-        rewards=rows["r"],
-        group_ids=rows["g"],
-        pad_id=pad_id,
-        finish_reasons=rows["f"],
-        weight_versions=rows["v"],
-        prompts=rows["pt"],
-        completions=rows["ct"],
-        routed_experts=rows["re"] if rows["re"] and all(with_experts) else None,
-    )
+    return build_batch(**columns, pad_id=pad_id, routed_experts=experts if any(with_experts) else None)
 
 
-def _generate_batch(ctx: Any, prompts: list[Prompt], step: int, first_group: int) -> RolloutBatch:
-    """Rank 0: sample ``n`` completions of each prompt and score them."""
+def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
+    """Rank 0: sample ``rollout.n_samples_per_prompt`` completions of each prompt and score them."""
+    assert ctx.servers is not None
     cfg = ctx.cfg
     ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
     # No per-request sampling seeds: SGLang 0.5.23 on CPU repeats the same completions for different
@@ -103,18 +118,27 @@ def _generate_batch(ctx: Any, prompts: list[Prompt], step: int, first_group: int
     )
 
 
-def _rank0_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-    cfg = ctx.cfg
-    r, a = cfg.rollout, cfg.algorithm
-    if ctx.args.load_rollouts:
-        batch = load_rollouts(ctx.args.load_rollouts, step)
-        if cfg.model.moe_routing_replay == "rollout" and batch.routed_experts is None:
-            raise ValueError(
-                f"--load-rollouts {ctx.args.load_rollouts}: step {step} was recorded without routed "
-                "experts, which model.moe_routing_replay=rollout replays; record with an MoE model and "
-                "rollout.return_routed_experts, or set moe_routing_replay: off / train"
-            )
-        return batch, {"rollout/replayed": 1.0}
+def replayed_batch(ctx: RunContext, step: int) -> RolloutBatch:
+    """Rank 0: the batch recorded for ``step`` in ``--load-rollouts``."""
+    batch = load_rollouts(ctx.args.load_rollouts, step)
+    if ctx.cfg.model.moe_routing_replay == "rollout" and batch.routed_experts is None:
+        raise ValueError(
+            f"--load-rollouts {ctx.args.load_rollouts}: step {step} was recorded without routed "
+            "experts, which model.moe_routing_replay=rollout replays; record with an MoE model and "
+            "rollout.return_routed_experts, or set moe_routing_replay: off / train"
+        )
+    return batch
+
+
+def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, int]:
+    """Rank 0: ``rollout.prompts_per_step`` groups of fresh samples, and the generation rounds it took.
+
+    With DAPO dynamic sampling, groups whose rewards are all equal are dropped and replaced by new
+    prompts, for at most ``algorithm.max_refill_rounds`` rounds; after that the batch is topped up
+    with dropped groups (zero advantage, no gradient) or, when those run out, unfiltered new ones.
+    """
+    assert ctx.prompt_stream is not None
+    r, a = ctx.cfg.rollout, ctx.cfg.algorithm
     need = r.prompts_per_step
     kept: list[RolloutBatch] = []
     spare: list[RolloutBatch] = []  # groups dropped by dynamic sampling, used if refills run dry
@@ -122,7 +146,7 @@ def _rank0_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict
     while n_kept < need:
         prompts = [next(ctx.prompt_stream) for _ in range(need - n_kept)]
         state.prompts_consumed += len(prompts)
-        b = _generate_batch(ctx, prompts, step, first_group=step * 1_000_000 + rounds * 10_000)
+        b = sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000)
         if a.overlong_buffer_len:
             b.rewards = b.rewards + overlong_penalty(
                 b.response_len,
@@ -144,40 +168,48 @@ def _rank0_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict
                 take = min(len(filler), (need - n_kept) * r.n_samples_per_prompt)
                 kept.append(filler.select(list(range(take))))
                 n_kept += take // r.n_samples_per_prompt
-            if n_kept < need:
-                continue  # generate the rest without filtering
+            # Still short: the loop generates the rest without filtering.
     batch = RolloutBatch.concat(kept, ctx.pad_id) if len(kept) > 1 else kept[0]
-    metrics = {"rollout/refill_rounds": float(rounds - 1)}
+    return batch, rounds
+
+
+def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rank 0: this step's batch (replayed or generated, then recorded with ``--save-rollouts``)."""
+    if ctx.args.load_rollouts:
+        return replayed_batch(ctx, step), {"rollout/replayed": 1.0}
+    batch, rounds = generate_with_refill(ctx, state, step)
     if ctx.args.save_rollouts:
         save_rollouts(batch, ctx.args.save_rollouts, step)
-    return batch, metrics
+    return batch, {"rollout/refill_rounds": float(rounds - 1)}
 
 
-def collect_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tuple[str, Any]:
+    """Rank 0: one try at the step's rollouts, as ``("ok", (batch, metrics))``, ``("retry", why)``
+    after a server died (restarted, the prompts of the try given back), or ``("error", why)``."""
+    consumed = state.prompts_consumed
+    try:
+        return "ok", _rank0_rollouts(ctx, state, step)
+    except Exception as e:  # noqa: BLE001 - decided here, then told to every rank
+        gone = isinstance(e, ServerGoneError) or (ctx.servers is not None and ctx.servers.dead_servers())
+        if not gone or last:
+            return "error", f"{type(e).__name__}: {e}"
+        assert ctx.servers is not None
+        state.prompts_consumed = consumed
+        ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, consumed)
+        ctx.servers.restart()
+        return "retry", f"{type(e).__name__}: {e}"
+
+
+def collect_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate and reward one rollout batch on rank 0 and broadcast it to every rank.
 
     A server that dies mid-generation is restarted, the current weights re-sent, and the step
     retried with the same prompts; nothing is lost and nothing is trained twice.
     """
-    for attempt in range(3):
-        status: tuple[str, Any]
+    for attempt in range(ATTEMPTS):
+        status: tuple[str, Any] = ("", None)
         if ctx.rank == 0:
-            consumed = state.prompts_consumed
-            try:
-                status = ("ok", _rank0_rollouts(ctx, state, step))
-            except Exception as e:  # noqa: BLE001 - decided below, on every rank
-                gone = isinstance(e, ServerGoneError) or (
-                    ctx.servers is not None and ctx.servers.dead_servers()
-                )
-                if not gone or attempt == 2:
-                    status = ("error", f"{type(e).__name__}: {e}")
-                else:
-                    state.prompts_consumed = consumed
-                    ctx.prompt_stream = _rewind(ctx, consumed)
-                    ctx.servers.restart()
-                    status = ("retry", f"{type(e).__name__}: {e}")
-        else:
-            status = ("", None)
+            status = _attempt(ctx, state, step, last=attempt == ATTEMPTS - 1)
         status = broadcast_object(status)
         if status[0] == "ok":
             batch, metrics = status[1]
@@ -192,15 +224,8 @@ def collect_rollouts(ctx: Any, state: Any, step: int) -> tuple[RolloutBatch, dic
     raise RuntimeError("unreachable")
 
 
-def _rewind(ctx: Any, consumed: int) -> Any:
-    """A fresh prompt stream positioned after ``consumed`` prompts (same order as before)."""
-    stream = ctx.task.train_prompts(seed=ctx.cfg.training.seed)
-    if consumed:
-        next(itertools.islice(stream, consumed - 1, consumed), None)
-    return stream
-
-
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The batch's reward, response length and finish statistics (``reward/*``, ``rollout/*``)."""
     lens = batch.response_len.float()
     finish = batch.finish_reasons or []
     return {

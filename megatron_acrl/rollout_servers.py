@@ -1,14 +1,17 @@
-"""The driver's handle on its rollout servers: SGLang processes, generation fan-out, weight updates
-(rank 0 only).
+"""The driver's handle on its rollout servers (rank 0 only): SGLang processes, generation fan-out,
+weight updates, restarts.
 
-On a single node the engine starts ``rollout.num_servers`` local SGLang servers from the served
-model directory; multi-node launch scripts start servers on their own nodes and pass
-``rollout.server_urls``. Weights go through :class:`sglang_bridge.weight_sync.DistributedWeightSynchronizer`:
-FP8 is real (e4m3 + scales) on GPU servers and *fake-quant* (FP8 rounding served in bf16) on CPU
-servers, which cannot run FP8 kernels; the mode is reported in every sync's metrics.
+On a single node :class:`RolloutServers` starts ``rollout.num_servers`` local SGLang servers from
+the served model directory; multi-node launch scripts start servers on their own nodes and pass
+``rollout.server_urls``. Weights go through the bridge's
+:class:`sglang_bridge.weight_sync.DistributedWeightSynchronizer`: FP8 is real (e4m3 + scales) on GPU
+servers and *fake-quant* (FP8 rounding served in bf16) on CPU servers, which cannot run FP8 kernels;
+the mode is reported in every update's ``sync/*`` metrics. The stress emulations (truncated or
+coarser e4m3, quantized routers) are applied here, before the synchronizer, which then sends bf16.
 
-A server that dies is restarted from the served model directory and the group reconnected; the
-driver then re-sends the current weights and retries the step (:meth:`RolloutServers.restart`).
+A server that dies is restarted from the served model directory and the update group reconnected
+(:meth:`RolloutServers.restart`); the driver then re-sends the current weights and retries
+(:meth:`megatron_acrl.context.RunContext.push_weights`, :func:`megatron_acrl.rollout.collect_rollouts`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,33 @@ def resolve_fp8_mode(cfg: Config, device: str) -> str:
     return mode
 
 
+def check_fp8_mode(cfg: Config, fp8_mode: str) -> None:
+    """Refuse, before any server starts, what servers holding real FP8 weights cannot do: serve the
+    stress emulations (fake-quant only), or evaluate the trainer's unquantized weights."""
+    if fp8_scheme(cfg) is None or fp8_mode != "real":
+        return
+    if cfg.rollout.stress_quantization:
+        raise ConfigError(
+            [
+                (
+                    "rollout.fp8_mode",
+                    "fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
+                    "and a cuda server gets real FP8 under fp8_mode auto; set rollout.fp8_mode=fake",
+                )
+            ]
+        )
+    if cfg.training.eval_trainer_weights:
+        raise ConfigError(
+            [
+                (
+                    "training.eval_trainer_weights",
+                    "evaluates the trainer's unquantized weights on the rollout servers, which hold "
+                    "real FP8 weights here; set rollout.fp8_mode=fake or turn it off",
+                )
+            ]
+        )
+
+
 async def generate_groups(
     clients: Sequence[Any],
     prompt_ids: Sequence[Sequence[int]],
@@ -122,29 +152,9 @@ class RolloutServers:
         r = cfg.rollout
         self.scheme = fp8_scheme(cfg)
         # Stress emulation (truncated / coarser e4m3, quantized routers) is applied here, before the
-        # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids. Checked before
-        # any server starts.
+        # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
         self.stress = self.scheme is not None and r.stress_quantization
-        if self.stress and self.fp8_mode == "real":
-            raise ConfigError(
-                [
-                    (
-                        "rollout.fp8_mode",
-                        "fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
-                        "and a cuda server gets real FP8 under fp8_mode auto; set rollout.fp8_mode=fake",
-                    )
-                ]
-            )
-        if cfg.training.eval_trainer_weights and self.scheme is not None and self.fp8_mode == "real":
-            raise ConfigError(
-                [
-                    (
-                        "training.eval_trainer_weights",
-                        "evaluates the trainer's unquantized weights on the rollout servers, which hold "
-                        "real FP8 weights here; set rollout.fp8_mode=fake or turn it off",
-                    )
-                ]
-            )
+        check_fp8_mode(cfg, self.fp8_mode)  # before any server starts
         self.api_key = os.environ.get(r.api_key_env) if r.api_key_env else None
         if r.api_key_env and not self.api_key:
             raise RuntimeError(
@@ -162,19 +172,23 @@ class RolloutServers:
             )
         self.servers: list[SGLangServer] = []
         self.restarts = 0
-        if r.server_urls:
-            # Launch scripts start these on their own nodes; wait, naming any that never comes up.
-            wait_for_servers(list(r.server_urls), timeout_s=r.startup_timeout_s, api_key=self.api_key)
-            self.urls = list(r.server_urls)
-        else:
-            self.servers = [self._server(i) for i in range(r.num_servers)]
-            for s in self.servers:
-                s.launch()
-            for s in self.servers:
-                s.wait_healthy()
-            self.urls = [s.url for s in self.servers]
-        self.sync: DistributedWeightSynchronizer | None = None
+        self.urls = self._start()
+        self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
+
+    def _start(self) -> list[str]:
+        """Start the local servers and wait until all are healthy, or wait for the launch script's
+        (``rollout.server_urls``, started on their own nodes), naming any that never comes up."""
+        r = self.cfg.rollout
+        if r.server_urls:
+            wait_for_servers(list(r.server_urls), timeout_s=r.startup_timeout_s, api_key=self.api_key)
+            return list(r.server_urls)
+        self.servers = [self._server(i) for i in range(r.num_servers)]
+        for s in self.servers:
+            s.launch()
+        for s in self.servers:
+            s.wait_healthy()
+        return [s.url for s in self.servers]
 
     def _server(self, i: int) -> SGLangServer:
         r = self.cfg.rollout
@@ -196,7 +210,7 @@ class RolloutServers:
 
     def _connect(self) -> None:
         r = self.cfg.rollout
-        self.sync = DistributedWeightSynchronizer(
+        self.synchronizer = DistributedWeightSynchronizer(
             self.urls,
             Manifest.from_checkpoint(self.served_dir),
             server_tp=r.server_tp,
@@ -207,7 +221,7 @@ class RolloutServers:
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
             timeout_s=r.request_timeout_s,
         )
-        self.sync.connect()
+        self.synchronizer.connect()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -252,8 +266,8 @@ class RolloutServers:
     ) -> dict[str, float]:
         """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).
         ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and stress)."""
-        assert self.sync is not None
-        served = self.sync.manifest.tensors
+        assert self.synchronizer is not None
+        served = self.synchronizer.manifest.tensors
 
         def to_served(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             # The trainer may hold fp32 masters (fp32 runs); the server holds its --dtype. Casting
@@ -275,7 +289,7 @@ class RolloutServers:
                 r.fp8_mantissa_bits,
                 quantize_router=r.fp8_quantize_router,
             )
-        report = self.sync.sync(stream, version, quantize=quantize)
+        report = self.synchronizer.sync(stream, version, quantize=quantize)
         return {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
@@ -296,9 +310,9 @@ class RolloutServers:
             raise ServerGoneError(
                 f"an external SGLang server ({', '.join(self.urls)}) is gone (launch scripts own those)"
             )
-        if self.sync is not None:
+        if self.synchronizer is not None:
             try:
-                self.sync.close()
+                self.synchronizer.close()
             except Exception:  # noqa: BLE001 - the peer is gone; the group is torn down either way
                 pass
         for i in self.dead_servers() or range(len(self.servers)):
@@ -310,12 +324,12 @@ class RolloutServers:
         self._connect()
 
     def close(self) -> None:
-        if self.sync is not None:
+        if self.synchronizer is not None:
             try:
-                self.sync.close()
+                self.synchronizer.close()
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
-            self.sync = None
+            self.synchronizer = None
         for s in self.servers:
             s.stop()
         self.servers = []

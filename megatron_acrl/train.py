@@ -5,31 +5,37 @@ rollout servers, every rank trains. One step::
 
     generate -> reward -> pi_old log-probs -> advantages -> controller -> train -> sync weights
 
-Each phase is a named function in its own module; this file only wires them together.
+Each phase is a named function in its own module; this file only wires them together, and is the
+entry point that owns SIGTERM / SIGINT (:mod:`megatron_acrl.signals`): the first finishes the step,
+checkpoints and stops (exit 0: the launch script requeues the job), a second stops at once; either
+way the servers this process started are stopped.
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
 
 from megatron_acrl.advantages import compute_advantages
-from megatron_acrl.batch import minibatches
+from megatron_acrl.batch import RolloutBatch, minibatches
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.context import RunContext, setup_run
+from megatron_acrl.distributed import any_rank
 from megatron_acrl.evaluate import evaluate
-from megatron_acrl.exit_codes import SERVERS_UNAVAILABLE
-from megatron_acrl.logging import log_extras
-from megatron_acrl.resume import DriverState, export_hf, load_driver_state, save_checkpoint
+from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.resume import DriverState, checkpoint_due, export_hf, load_driver_state, save_checkpoint
 from megatron_acrl.rollout import collect_rollouts
+from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
 from sglang_bridge.server import ServersNotReady
 
 
-def train(ctx: RunContext, state: DriverState) -> DriverState:
-    """The loop: one screen, each phase a named function."""
+def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState:
+    """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
@@ -72,12 +78,29 @@ def train(ctx: RunContext, state: DriverState) -> DriverState:
             m.update(evaluate(ctx, state.step, state.weight_version))
         if log is not None:
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
-        stop = ctx.stop_requested()  # SIGTERM on any rank; all ranks agree (all-reduced flag)
-        if stop or ctx.should_checkpoint(state.step):
+        stopping = any_rank(stop.requested)  # a stop signal on any rank: every rank stops here
+        if stopping or checkpoint_due(ctx, state.step):
             save_checkpoint(ctx, state)
-        if stop:
+        if stopping:
             break
     return state
+
+
+def log_extras(cfg: Config, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:
+    """What a step logs besides its scalars: the histogram of per-token log(pi_old / mu) and, every
+    ``logging.sample_table_interval`` steps, a table of sample completions."""
+    mask = tb["loss_mask"] > 0
+    out: dict[str, Any] = {
+        "histograms": {"mismatch/log_ratio_hist": (tb["old_logprobs"] - tb["rollout_logprobs"])[mask].numpy()}
+    }
+    n = cfg.logging.sample_table_interval
+    if n and step % n == 0 and batch.prompts:
+        rows = [
+            [batch.prompts[i], batch.completions[i], float(batch.rewards[i])]
+            for i in range(min(8, len(batch)))
+        ]
+        out["table"] = (["prompt", "completion", "reward"], rows)
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,25 +130,30 @@ def run(
     cfg: Config, args: argparse.Namespace, prepare: Callable[[RunContext], None] | None = None
 ) -> DriverState:
     """Set up, resume, train, checkpoint, clean up. ``prepare`` sees the context before the first
-    step (tests use it to inject faults)."""
-    ctx = setup_run(cfg, args)
-    # SIGTERM (preemption): finish the step, checkpoint, exit 0; the launch script requeues the job.
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: ctx.request_stop())
-    try:
-        if prepare is not None:
-            prepare(ctx)
-        state = load_driver_state(ctx)
-        ctx.start_logging(config_to_dict(cfg), state)
-        ctx.push_weights(state.weight_version)  # the servers start from the initial weights
-        state = train(ctx, state)
-        if ctx.cfg.training.checkpoint_dir and not ctx.checkpointed(state.step):
-            save_checkpoint(ctx, state)
-        if args.export_hf:
-            export_hf(ctx, args.export_hf)
-        if ctx.rank == 0:
-            print(f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True)
-    finally:
-        ctx.close()
+    step (tests use it to inject faults).
+
+    The stop handlers (see module doc) cover everything from set-up to clean-up: a SIGTERM while the
+    servers start still checkpoints after the first step; leaving, however, stops every server.
+    """
+    with stop_on_signals() as stop:
+        ctx = setup_run(cfg, args)
+        try:
+            if prepare is not None:
+                prepare(ctx)
+            state = load_driver_state(ctx)
+            ctx.start_logging(config_to_dict(cfg), state)
+            ctx.push_weights(state.weight_version)  # the servers start from the initial weights
+            state = train(ctx, state, stop)
+            if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:
+                save_checkpoint(ctx, state)
+            if args.export_hf:
+                export_hf(ctx, args.export_hf)
+            if ctx.rank == 0:
+                print(
+                    f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True
+                )
+        finally:
+            ctx.close()
     return state
 
 
@@ -136,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg.check_paths()
     except ConfigError as err:
         print(err, file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     try:
         run(cfg, args)
     except ConfigError as err:  # layout checks that need the launched world (dp, batch divisibility)
         print(err, file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     except ServersNotReady as err:
         print(err, file=sys.stderr)
         return SERVERS_UNAVAILABLE
+    except Interrupted as err:  # a second stop signal: no checkpoint of this step
+        print(f"{err}: stopped without a checkpoint of the current step", file=sys.stderr)
+        return err.exit_code
     return 0
 
 

@@ -38,10 +38,10 @@ def inject(faults: dict):
                 return out
 
             ctx.policy.train_step = preempted
-        engine = ctx.servers
-        if engine is None or not faults:
+        servers = ctx.servers
+        if servers is None or not faults:
             return
-        generate = engine.generate
+        generate = servers.generate
         calls = {"n": 0}
         evaluating = {"on": False}
         served_eval = evaluate_mod._evaluate_served
@@ -61,7 +61,7 @@ def inject(faults: dict):
             step = calls["n"] if training else -1  # counts successful training generations only
             if step == faults.get("kill_server_at_step") and not calls.get("killed"):
                 calls["killed"] = True
-                engine.servers[0].kill()
+                servers.servers[0].kill()
             groups = generate(prompt_ids, n, params)
             if training:
                 calls["n"] += 1
@@ -69,7 +69,7 @@ def inject(faults: dict):
                 groups[0][0].rollout_logprobs[0] = float("nan")
             return groups
 
-        engine.generate = faulty
+        servers.generate = faulty
 
     return prepare
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
 from megatron_acrl.batch import load_rollouts
+from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.config import ConfigError
-from megatron_acrl.study import ArmResult, grid_groups, load_grid, main, summarize, verdict
+from megatron_acrl.study.cli import main
+from megatron_acrl.study.grid import grid_groups, load_grid
+from megatron_acrl.study.report import verdict
+from megatron_acrl.study.stats import ArmResult, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,99 @@
+"""Study grid files: a base config, common overrides, seeds and named arms, validated before any run.
+
+A grid YAML holds the keys of :data:`GRID_KEYS`; every arm's config (base + common + the arm's own
+overrides) must load, and is kept on the :class:`Grid` (seed aside). Arm names are unique across the
+grids of one invocation unless the arm is the same run in each (the shared BF16 baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megatron_acrl.config import Config, ConfigError, load_config
+
+GRID_KEYS = ("base", "common", "seeds", "arms", "ranks", "title", "notes", "stress", "shared_server")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One grid file: a base config, common overrides, seeds and named arms."""
+
+    base: str
+    common: tuple[str, ...]
+    seeds: tuple[int, ...]
+    arms: dict[str, tuple[str, ...]]
+    ranks: int = 1
+    name: str = "grid"
+    """File stem; prefixes the grid's figures."""
+    title: str = ""
+    notes: str = ""
+    """Free text for the report (what the setting is)."""
+    stress: bool = False
+    """A stress setting: the verdict also compares ACRL with TIS and MIS."""
+    shared_server: bool = True
+    """One SGLang server for the whole grid (see :mod:`megatron_acrl.study`)."""
+    configs: dict[str, Config] = field(default_factory=dict, compare=False, repr=False)
+    """Each arm's validated config (seed aside)."""
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and validate a grid file: every arm's config must load before anything runs."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = set(data) - set(GRID_KEYS)
+    if unknown:
+        raise ConfigError([(f"{path}", f"unknown grid keys {sorted(unknown)}; use {', '.join(GRID_KEYS)}")])
+    if not data.get("arms"):
+        raise ConfigError([(f"{path}", "a grid needs arms: {name: [overrides...]}")])
+    if "base" not in data:
+        raise ConfigError([(f"{path}", "a grid needs base: configs/<file>.yaml")])
+    seeds = tuple(int(s) for s in data.get("seeds", [1]))
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError([(f"{path}.seeds", f"need distinct seeds, got {list(seeds)}")])
+    configs: dict[str, Config] = {}
+    arms = {str(k): tuple(str(o) for o in (v or [])) for k, v in data["arms"].items()}
+    for arm, overrides in arms.items():
+        try:
+            configs[arm] = load_config(str(data["base"]), [*data.get("common", []), *overrides])
+        except ConfigError as err:
+            raise ConfigError(
+                [(f"arms.{arm}.{p}" if p else f"arms.{arm}", m) for p, m in err.errors]
+            ) from None
+    return Grid(
+        base=str(data["base"]),
+        common=tuple(str(o) for o in data.get("common", [])),
+        seeds=seeds,
+        arms=arms,
+        ranks=int(data.get("ranks", 1)),
+        name=Path(path).stem,
+        title=str(data.get("title", Path(path).stem)),
+        notes=str(data.get("notes", "")).strip(),
+        stress=bool(data.get("stress", False)),
+        shared_server=bool(data.get("shared_server", True)),
+        configs=configs,
+    )
+
+
+def conflicting_arm(grids: Sequence[Grid]) -> str | None:
+    """An arm name that several grids use with different settings (None when there is none): a
+    shared arm (e.g. the BF16 baseline) must be the same run in every grid, since it runs once."""
+    names = [a for g in grids for a in g.arms]
+    for a in {a for a in names if names.count(a) > 1}:
+        specs = {(g.base, g.common, g.arms[a]) for g in grids if a in g.arms}
+        if len(specs) > 1:
+            return a
+    return None
+
+
+def grid_groups(grids: Sequence[Grid]) -> list[list[Grid]]:
+    """Grids that share an arm name (the shared BF16 baseline run) must run one after the other:
+    connected components of the shares-an-arm relation, in file order."""
+    groups: list[list[Grid]] = []
+    for g in grids:
+        joined = [grp for grp in groups if any(set(g.arms) & set(h.arms) for h in grp)]
+        merged = [h for grp in joined for h in grp] + [g]
+        groups = [grp for grp in groups if grp not in joined] + [merged]
+    return groups

@@ -1,0 +1,111 @@
+"""One owner of SIGTERM / SIGINT: the entry point. Importing installs nothing; the entry point's block
+turns the first signal into a stop request and the second into Interrupted, and on leaving stops the
+bridge's servers and puts the previous handlers back."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import megatron_acrl.signals as signals_mod
+from megatron_acrl.signals import Interrupted, stop_on_signals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_importing_the_driver_and_the_bridge_installs_no_handler():
+    code = (
+        "import signal\n"
+        "import megatron_acrl.train, megatron_acrl.study.cli, megatron_acrl.signals\n"
+        "import sglang_bridge.server, sglang_bridge.client, sglang_bridge.weight_sync\n"
+        "term, intr = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)\n"
+        "assert term is signal.SIG_DFL and intr is signal.default_int_handler, (term, intr)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.fixture
+def cleanups(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(signals_mod, "stop_all_servers", lambda: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_first_signal_asks_to_stop_the_second_interrupts(sig, cleanups):
+    before = signal.getsignal(sig)
+    with pytest.raises(Interrupted) as err, stop_on_signals() as stop:
+        assert not stop.requested
+        signal.raise_signal(sig)
+        assert stop.requested and stop.signum == sig  # noted, nothing interrupted
+        signal.raise_signal(sig)
+        pytest.fail("the second signal did not interrupt")
+    assert err.value.exit_code == 128 + sig
+    assert cleanups == [1]  # the servers are stopped on the way out
+    assert signal.getsignal(sig) is before  # and the previous handler is back
+
+
+def test_leaving_normally_or_by_an_exception_cleans_up(cleanups):
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_on_signals():
+        pass
+    with pytest.raises(ValueError), stop_on_signals():
+        raise ValueError("boom")
+    assert cleanups == [1, 1]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_during_clean_up_is_only_noted(monkeypatch):
+    def stop_servers() -> None:
+        signal.raise_signal(signal.SIGTERM)  # a second signal while the servers are being stopped
+
+    monkeypatch.setattr(signals_mod, "stop_all_servers", stop_servers)
+    with stop_on_signals() as stop:
+        signal.raise_signal(signal.SIGTERM)
+    assert stop.signum == signal.SIGTERM
+
+
+def test_train_entry_point_installs_the_handlers_for_the_run(monkeypatch, cleanups):
+    import megatron_acrl.train as train
+
+    seen = []
+
+    def setup_run(cfg, args):  # the first thing run() does, under the handlers
+        seen.append(signal.getsignal(signal.SIGTERM))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(train, "setup_run", setup_run)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="stop here"):
+        train.run(None, None)  # type: ignore[arg-type]
+    assert getattr(seen[0], "__func__", None) is signals_mod.StopSignals.handle
+    assert signal.getsignal(signal.SIGTERM) is before and cleanups == [1]
+
+    def interrupted(cfg, args):
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert train.main(["--config", str(ROOT / "configs" / "tiny_dense.yaml")]) == 128 + signal.SIGTERM
+
+
+def test_a_stopped_study_starts_no_run(tmp_path, monkeypatch, cleanups):
+    from megatron_acrl.study import run as study_run
+    from megatron_acrl.study.grid import load_grid
+
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\nshared_server: false\n"
+        "arms:\n  a: [correction.method=none]\n"
+    )
+    started = []
+    monkeypatch.setattr(study_run, "run_arm", lambda *a, **k: started.append(a))
+    with stop_on_signals() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(study_run.StudyStopped, match="SIGTERM received"):
+            study_run.run_grid(load_grid(grid_file), tmp_path / "runs", stop)
+    assert started == []
