@@ -39,8 +39,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_acrl.config import Config, ParallelConfig
 from megatron_acrl.correction import combine_partials, finalize_metrics
-from megatron_acrl.megatron.collectives import all_reduce_partials
 from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io
+from megatron_acrl.megatron.collectives import all_reduce_partials
 from megatron_acrl.megatron.model import build_model_chunks, padded_vocab_size, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import RoutingReplay
 
