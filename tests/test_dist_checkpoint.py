@@ -75,7 +75,12 @@ def test_checkpoint_loads_under_another_layout(ranks, group):
             for name, after in res["after2"].items():
                 delta_ref = after - res["saved"][name]
                 err = (got["after2"][name] - after).abs().max().item()
-                assert err <= 1e-4 * max(delta_ref.abs().max().item(), 1e-3), (rank, i, name, err)
+                # Relative to the step's own change, plus one float32 ulp of the weight: a norm weight
+                # near 1.0 that moved by < 1e-3 would otherwise be held below its own resolution
+                # (1.19e-7 at 1.0), and another layout's reduction order may round it either way.
+                ulp = torch.finfo(torch.float32).eps * after.abs().max().item()
+                bound = 1e-4 * max(delta_ref.abs().max().item(), 1e-3) + ulp
+                assert err <= bound, (rank, i, name, err, bound)
 
 
 def test_weights_move_between_save_and_next_step(ranks):
