@@ -187,6 +187,10 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
 
     rank, world = init_distributed(cfg)
     run_dir = _run_dir(cfg, args)
+    if rank == 0 and not args.load_rollouts:
+        from megatron_acrl.rollout_servers import check_ports
+
+        check_ports(cfg)  # another process's server on our port: refuse now, before any model is built
     if rank == 0:
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(run_dir, 0o700)  # logs, metrics, W&B files: the run's owner's alone (also if it existed)

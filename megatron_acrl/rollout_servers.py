@@ -34,7 +34,7 @@ import torch
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
-from sglang_bridge.listeners import address_towards
+from sglang_bridge.listeners import WILDCARDS, address_towards, port_holder, port_is_free
 from sglang_bridge.server import (
     PortInUse,
     ServersNotReady,
@@ -73,6 +73,29 @@ def run_api_key(cfg: Config) -> str:
             [("rollout.api_key_env", f"names {env}, which is not set; export the servers' key in it")]
         )
     return key
+
+
+def port_held(port: int, holder: str, what: str | None = None) -> ServersNotReady:
+    """The error of a fixed server port that another process holds (``rollout.base_port``)."""
+    what = what or f"port {port} is held by {holder}, which this run did not start"
+    return ServersNotReady(
+        f"rollout.base_port: {what}. This run uses only servers it starts or is given in "
+        "rollout.server_urls (with their key in rollout.api_key_env); unset rollout.base_port to pick "
+        "free ports, or choose others",
+        {f"port {port}": holder},
+    )
+
+
+def check_ports(cfg: Config) -> None:
+    """Before anything is built: raise :func:`port_held` for a fixed server port another process
+    holds (the servers' own start checks again, at launch)."""
+    r = cfg.rollout
+    if r.server_urls or not r.base_port or r.backend != "sglang":
+        return
+    host = "127.0.0.1" if r.host in WILDCARDS else r.host
+    for port in range(r.base_port, r.base_port + r.num_servers):
+        if not port_is_free(host, port):
+            raise port_held(port, port_holder(port))
 
 
 def routed_experts_topk(cfg: Config) -> int | None:
@@ -229,12 +252,7 @@ class RolloutServers:
         except PortInUse as e:
             for s in self.servers:
                 s.stop()
-            raise ServersNotReady(
-                f"rollout.base_port: {e}. This run uses only servers it starts or is given in "
-                "rollout.server_urls (with their key in rollout.api_key_env); unset rollout.base_port "
-                "to pick free ports",
-                {f"port {e.port}": e.holder},
-            ) from e
+            raise port_held(e.port, e.holder, str(e)) from e
         for s in self.servers:
             s.wait_healthy()
         return [s.url for s in self.servers]
