@@ -34,7 +34,7 @@ import torch
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
-from sglang_bridge.listeners import WILDCARDS, address_towards, port_holder, port_is_free
+from sglang_bridge.listeners import address_towards, port_holder, port_is_free
 from sglang_bridge.server import (
     PortInUse,
     ServersNotReady,
@@ -92,9 +92,8 @@ def check_ports(cfg: Config) -> None:
     r = cfg.rollout
     if r.server_urls or not r.base_port or r.backend != "sglang":
         return
-    host = "127.0.0.1" if r.host in WILDCARDS else r.host
     for port in range(r.base_port, r.base_port + r.num_servers):
-        if not port_is_free(host, port):
+        if not port_is_free(r.host, port):
             raise port_held(port, port_holder(port))
 
 

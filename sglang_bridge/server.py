@@ -273,7 +273,7 @@ class SGLangServer:
         bind_host = "127.0.0.1" if self.spec.host in WILDCARDS else self.spec.host
         self.port = self.spec.port or free_port(bind_host)
         self.name = f"{self.name.split(':')[0]}:{self.port}"
-        if self.spec.port is not None and not port_is_free(bind_host, self.port):
+        if self.spec.port is not None and not port_is_free(self.spec.host, self.port):
             holder = port_holder(self.port)
             raise PortInUse(
                 f"{self.name}: port {self.port} is held by {holder}, which this process did not start: "

@@ -259,3 +259,38 @@ def test_a_run_owns_its_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert (first / "ckpt" / "latest.json").exists()
     assert not files_holding(key, first) and key not in log_a.read_text()
     assert not open_to_others(first)
+
+
+def test_dry_run_never_shows_the_key(tmp_path: Path) -> None:
+    key = secrets.token_urlsafe(32)
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.submit", CONFIG, "--nodes", "2", "--ranks-per-node", "1",
+         "--server-nodes", "1", "--servers-per-node", "1", "--output-dir", str(tmp_path), "--dry-run",
+         "--skip-cluster-checks", f"model.hf_path={tmp_path}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "ACRL_SGLANG_API_KEY": key},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "SERVER_MODE=dedicated" in res.stdout and "SERVER_HOST=0.0.0.0" in res.stdout
+    assert "token_urlsafe" in res.stdout and key not in res.stdout + res.stderr
+
+
+AGENT_LISTENERS = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from security_helpers import listeners, not_on_loopback
+agent = os.getppid()
+print("LISTENERS", len(listeners([agent])), "OPEN", not_on_loopback([agent]), os.environ["MASTER_ADDR"])
+"""
+
+
+def test_torchrun_stores_listen_on_loopback(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(AGENT_LISTENERS.format(tests=str(ROOT / "tests")))
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "1", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    # The rendezvous store and the ranks' store, both bound to loopback and announced there.
+    assert "LISTENERS 2 OPEN [] 127.0.0.1" in res.stdout, res.stdout
