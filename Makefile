@@ -39,7 +39,7 @@ bench: $(STAMP)
 # The tiny config end to end: 2 Megatron ranks (TP=2, gloo), a real SGLang CPU server, ACRL, W&B offline.
 demo: $(STAMP)
 	rm -rf runs/demo
-	WANDB_SILENT=true OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 \
+	WANDB_SILENT=true OMP_NUM_THREADS=1 $(PY) -m launch.torchrun --standalone --nproc-per-node 2 \
 		-m megatron_acrl.train --config configs/demo.yaml --run-dir runs/demo
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"

@@ -23,8 +23,8 @@ from megatron_acrl.config import Config, ConfigError
 
 ServerMode = Literal["driver", "colocated", "dedicated"]
 DEFAULT_API_KEY_ENV = "ACRL_SGLANG_API_KEY"
-"""Variable that holds the per-job API key of servers on their own nodes (unless
-``rollout.api_key_env`` names another)."""
+"""Variable that holds the per-job API key of the servers the job script starts (unless
+``rollout.api_key_env`` names another); the driver keys the servers it starts itself."""
 
 DEFAULT_PORT = 30000
 """Port of the first rollout server on a server node when the config leaves ``rollout.base_port`` null
@@ -48,7 +48,8 @@ class JobPlan:
     server_host: str
     """Address the servers bind: loopback unless they run on their own nodes."""
     api_key_env: str | None
-    """Variable the job script fills with a fresh random key (only for non-loopback servers)."""
+    """Variable the job script fills with a fresh random key for the servers it starts (None in
+    driver mode: the driver makes the key of the servers it starts)."""
     cpus_per_task: int
 
     @property
@@ -118,7 +119,7 @@ def plan_job(
         servers_per_node=srv.servers_per_node,
         server_tp=srv.server_tp,
         server_host="0.0.0.0" if dedicated else "127.0.0.1",
-        api_key_env=(cfg.rollout.api_key_env or DEFAULT_API_KEY_ENV) if dedicated else None,
+        api_key_env=(cfg.rollout.api_key_env or DEFAULT_API_KEY_ENV) if srv.mode != "driver" else None,
         cpus_per_task=cpus_per_task,
     )
 

@@ -4,19 +4,31 @@
 
 Each srun task serves one full copy of the model: its port is ``rollout.base_port + SLURM_LOCALID``
 and its GPUs the ``SLURM_LOCALID``-th slice of ``rollout.server_tp`` devices in the step's
-``CUDA_VISIBLE_DEVICES``. The API key, if any, comes from the environment variable named by
-``rollout.api_key_env`` (the job script generates it per job). The command line and environment
-come from :class:`sglang_bridge.server.ServerSpec` (which carries the CPU stand-ins), and the process
-``exec``s SGLang so that SLURM's signals reach it directly.
+``CUDA_VISIBLE_DEVICES``. The API key comes from the environment variable named by
+``rollout.api_key_env`` (the job script generates it per job); a server bound beyond loopback
+without one is refused (exit 2). The command line and environment come from
+:class:`sglang_bridge.server.ServerSpec` (which carries the CPU stand-ins), and the process ``exec``s
+SGLang so that SLURM's signals reach it directly.
+
+The key reaches SGLang the way :mod:`sglang_bridge.server_key` describes: a 0600 ``--config`` file,
+never the command line, and not the environment either (the variable is dropped). Before the
+``exec`` a forked companion takes over the task's output: SGLang writes into a pipe, the companion
+copies it to the task's log (``logs/server-<i>.log``) with the key redacted, removes the key file
+once the server answers with the key, and exits when the server's last process has closed the pipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launch.plan import DEFAULT_PORT
 from megatron_acrl.config import Config, ConfigError, load_config
@@ -52,9 +64,14 @@ def server_slot(
 
 
 def server_command(
-    cfg: Config, slot: ServerSlot, api_key: str | None, run_dir: Path | None = None
+    cfg: Config,
+    slot: ServerSlot,
+    api_key: str | None,
+    run_dir: Path | None = None,
+    key_file: str | Path | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Command line and environment of the SGLang server for ``slot``.
+    """Command line and environment of the SGLang server for ``slot``; with ``api_key``, its
+    ``key_file`` (the 0600 ``--config`` file holding the key) is named on the command line.
 
     With real FP8 rollout (a cuda server, ``rollout.fp8_mode`` auto or real) the server serves the FP8
     copy of ``model.hf_path`` under ``run_dir/served_fp8`` (written by the first task that needs it;
@@ -81,19 +98,66 @@ def server_command(
         if run_dir is None:
             raise ConfigError([("rollout.fp8_mode", "real FP8 serving needs the run directory")])
         model_path = str(served_fp8_checkpoint(model_path, run_dir / "served_fp8", scheme))
-    spec = ServerSpec(
-        model_path=model_path,
-        device=device,
-        host=slot.host,
-        port=slot.port,
-        tp=cfg.rollout.server_tp,
-        gpu_ids=slot.gpu_ids,
-        api_key=api_key,
-        random_seed=cfg.training.seed + slot.index,
-    )
-    env = dict(os.environ)
-    env.update(spec.env())
-    return spec.command(slot.port), env
+    try:
+        spec = ServerSpec(
+            model_path=model_path,
+            device=device,
+            host=slot.host,
+            port=slot.port,
+            tp=cfg.rollout.server_tp,
+            gpu_ids=slot.gpu_ids,
+            api_key=api_key,
+            random_seed=cfg.training.seed + slot.index,
+        )
+    except ValueError as e:  # bound beyond loopback without a key
+        raise ConfigError([("rollout.api_key_env", f"{e}; the job script exports one per job")]) from e
+    env = spec.env()  # from this task's environment, less any variable that holds the key
+    return spec.command(slot.port, key_file), env
+
+
+def _companion(read_fd: int, api_key: str | None, key_file: Any, url: str) -> None:
+    """The forked companion of the server task (see module doc); never returns."""
+    from sglang_bridge.server import probe
+    from sglang_bridge.server_key import Redactor
+
+    # SLURM signals the whole task; the companion outlives the server's shutdown to log it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    done = threading.Event()
+
+    def remove_key_once_up() -> None:
+        while key_file is not None and not done.is_set():
+            if probe(url, api_key)[0]:  # SGLang has read its arguments long before it answers
+                break
+            time.sleep(1.0)
+        if key_file is not None:
+            key_file.remove()
+
+    threading.Thread(target=remove_key_once_up, daemon=True).start()
+    redactor = Redactor([api_key or ""])
+    with contextlib.suppress(OSError):
+        while chunk := os.read(read_fd, 65536):
+            os.write(1, redactor.feed(chunk))
+        os.write(1, redactor.flush())
+    done.set()
+    if key_file is not None:
+        key_file.remove()
+    os._exit(0)
+
+
+def exec_server(cmd: list[str], env: dict[str, str], api_key: str | None, key_file: Any, url: str) -> None:
+    """Fork the companion that redacts the output and removes ``key_file``, then become SGLang."""
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:
+        os.close(write_fd)
+        _companion(read_fd, api_key, key_file, url)
+    os.close(read_fd)
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    os.execvpe(cmd[0], cmd, env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=None, help="port; default rollout.base_port + SLURM_LOCALID")
     ap.add_argument("--print", action="store_true", help="print the command instead of running it")
     args = ap.parse_args(argv)
+    os.umask(0o077)  # what the server writes is the job owner's alone
+    from sglang_bridge.server_key import KeyFile
+
     try:
         cfg = load_config(args.config, args.overrides)
         slot = server_slot(cfg, args.host, args.port)
@@ -111,20 +178,25 @@ def main(argv: list[str] | None = None) -> int:
         api_key = os.environ.get(key_env) if key_env else None
         if key_env and not api_key:
             raise ConfigError([("rollout.api_key_env", f"environment variable {key_env} is not set")])
+        key_file = KeyFile(api_key) if api_key else None
         # The job's config is written into its run directory (launch.submit), where the trainer
         # also runs.
-        cmd, env = server_command(cfg, slot, api_key, Path(args.config).resolve().parent)
+        cmd, env = server_command(
+            cfg, slot, api_key, Path(args.config).resolve().parent, "<key file>" if api_key else None
+        )
     except ConfigError as err:
         print(err, file=sys.stderr)
         return CONFIG_ERROR
-    shown = ["<api-key>" if i and cmd[i - 1] == "--api-key" else c for i, c in enumerate(cmd)]
     print(
-        f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(shown)}",
+        f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(cmd)}",
         flush=True,
     )
     if args.print:
         return 0
-    os.execvpe(cmd[0], cmd, env)
+    if key_file is not None:
+        cmd[cmd.index("<key file>")] = str(key_file.write())
+    host = "127.0.0.1" if slot.host in ("0.0.0.0", "::", "") else slot.host
+    exec_server(cmd, env, api_key, key_file, f"http://{host}:{slot.port}")
     return 1  # pragma: no cover - exec does not return
 
 

@@ -13,12 +13,15 @@ the script from ``launch/templates/job.sbatch`` is written next to it and submit
 Everything of the job lives under ``<output-dir>/<job-name>/``: ``logs/job-<id>.out`` (the script
 and every trainer rank, prefixed by rank), ``logs/server-<i>.log``, ``checkpoints/``, ``wandb/``,
 ``status`` (last word of the script: RUNNING / COMPLETED / REQUEUED / FAILED rc=...). Submitting
-again with the same job name resumes from its checkpoints.
+again with the same job name resumes from its checkpoints. The directory is 0700 and its files 0600
+(the job runs under ``umask 077``); the servers' per-job key is made when the job runs and lives in
+its environment only, so neither the script nor ``--dry-run`` ever shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -249,10 +252,14 @@ def prepare(args: argparse.Namespace) -> tuple[str, Config, JobPlan, Path]:
 
 def submit(script: str, cfg: Config, run_dir: Path) -> str:
     """Write the frozen config and the script under ``run_dir`` and ``sbatch`` it; returns the job id."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output needs the directory to exist
+    (run_dir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)  # sbatch --output needs it to exist
+    for d in (run_dir, run_dir / "logs"):  # the job's alone, also when an earlier submit made them
+        os.chmod(d, 0o700)
     (run_dir / "submitted-config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     path = run_dir / "job.sbatch"
     path.write_text(script)
+    for f in (path, run_dir / "submitted-config.yaml"):
+        os.chmod(f, 0o600)
     try:
         proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
@@ -267,6 +274,8 @@ def submit(script: str, cfg: Config, run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # What this writes is the job owner's alone; sbatch hands the umask on to the job (SLURM_UMASK).
+    os.umask(0o077)
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
     args.argv = raw

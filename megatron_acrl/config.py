@@ -20,6 +20,7 @@ import ast
 import difflib
 import inspect
 import math
+import re
 import sys
 import types
 import typing
@@ -278,7 +279,9 @@ class RolloutConfig(_Section):
 
     base_port: int | None = None
     """Port of the first server (server k listens on base_port + k); None picks free ports, so
-    several runs on one machine never talk to each other's servers."""
+    several runs on one machine never talk to each other's servers. A port another process holds
+    (another run's server, say) is refused, naming that process: a run never adopts a server it
+    did not start unless it is listed in ``server_urls``."""
 
     server_cpus: tuple[int, ...] = ()
     """CPU cores of the servers the driver starts itself, split evenly among them in order (server k
@@ -289,11 +292,15 @@ class RolloutConfig(_Section):
 
     server_urls: tuple[str, ...] = ()
     """URLs of SGLang servers already running (multi-node launch scripts start them on their own
-    nodes); empty means the driver starts num_servers local servers itself."""
+    nodes); empty means the driver starts num_servers local servers itself. They must be keyed
+    (``api_key_env``): a listed server is used only when it answers with that key and refuses
+    requests without it."""
 
     api_key_env: str | None = None
-    """Name of the environment variable holding the servers' API key (a per-job secret the launch
-    script generates for servers bound beyond loopback); None sends no key."""
+    """Name of the environment variable holding the servers' API key (the job script makes one per
+    job). None: the run makes a random key at start, gives it to the servers it starts and to its own
+    client only, and never writes it down. Every run keys its servers, on loopback too; the key
+    reaches SGLang through a 0600 file, never its command line, and is redacted from its logs."""
 
     n_samples_per_prompt: int = 4
     """Samples per prompt (the GRPO group size)."""
@@ -431,6 +438,7 @@ class RolloutConfig(_Section):
                 f"server_urls[{i}]",
                 f"must be an http(s) URL like http://node1:30000, got {url!r}",
             )
+        self._check_key(e)
         if self.server_cpus:
             cpus = self.server_cpus
             _check(
@@ -454,6 +462,22 @@ class RolloutConfig(_Section):
                 "(and bound) elsewhere: set it to []",
             )
         return e
+
+    def _check_key(self, e: list[tuple[str, str]]) -> None:
+        """``api_key_env``: a variable name, and set whenever the servers were started elsewhere."""
+        _check(
+            e,
+            not self.server_urls or bool(self.api_key_env),
+            "api_key_env",
+            "servers at server_urls were started elsewhere, so a key made by this run cannot be theirs: "
+            "start them with a key, export it and name its variable here",
+        )
+        _check(
+            e,
+            self.api_key_env is None or bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env)),
+            "api_key_env",
+            f"must be an environment variable name (letters, digits, _), got {self.api_key_env!r}",
+        )
 
     def cpus_of_server(self, k: int) -> tuple[int, ...] | None:
         """The cores of server ``k`` (its slice of :attr:`server_cpus`); None when they are shared."""

@@ -5,13 +5,15 @@
 runs the supervised warm-start if asked, loads the weights into the Megatron policy (and the PPO
 critic), checks that a rollout batch splits evenly over the layout, and on rank 0 opens the prompt
 stream and starts the rollout servers (:class:`megatron_acrl.rollout_servers.RolloutServers`).
-:meth:`RunContext.push_weights` is the one way the policy's weights reach the servers.
+:meth:`RunContext.push_weights` is the one way the policy's weights reach the servers. The run
+directory is 0700; the servers' key lives in :class:`RolloutServers` (rank 0) and nowhere else.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,8 +187,13 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
 
     rank, world = init_distributed(cfg)
     run_dir = _run_dir(cfg, args)
+    if rank == 0 and not args.load_rollouts:
+        from megatron_acrl.rollout_servers import check_ports
+
+        check_ports(cfg)  # another process's server on our port: refuse now, before any model is built
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o700)  # logs, metrics, W&B files: the run's owner's alone (also if it existed)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     model_dir = model_directory(cfg, rank)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_path or model_dir))

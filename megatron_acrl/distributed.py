@@ -1,9 +1,9 @@
 """The trainer world: torch.distributed + Megatron's parallel layout, and the helpers every phase uses.
 
 :func:`init_distributed` starts the default group from torchrun / srun variables (gloo on CPU, NCCL
-on GPU) and Megatron's TP / PP / EP / DP groups; :func:`log0` prints on the driver rank,
-:func:`broadcast_object` sends rank 0's Python object to every rank, and :func:`any_rank` makes one
-rank's flag every rank's (the stop signal).
+on GPU; its store listens on ``MASTER_ADDR`` only) and Megatron's TP / PP / EP / DP groups;
+:func:`log0` prints on the driver rank, :func:`broadcast_object` sends rank 0's Python object to
+every rank, and :func:`any_rank` makes one rank's flag every rank's (the stop signal).
 """
 
 from __future__ import annotations
@@ -43,6 +43,26 @@ def any_rank(flag: bool) -> bool:
     return bool(box.item() > 0)
 
 
+def _default_store(env: os._Environ[str], timeout: datetime.timedelta) -> dict[str, Any]:
+    """``init_process_group`` arguments that put the default group's store where the ranks dial it
+    and nowhere else: rank 0 hosts it on ``MASTER_ADDR``'s address (loopback in a local run, the
+    first trainer node's interface in a job), where the ``env://`` rendezvous would listen on every
+    interface. Under torchrun the agent hosts the store (``python -m launch.torchrun`` binds it the
+    same way) and the ranks only dial it: nothing to do."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return {}
+    from torch.distributed import PrefixStore
+
+    from sglang_bridge.listeners import BoundTCPStore
+
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = BoundTCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0, timeout, multi_tenant=True
+    )
+    # The same key space as env:// (init_process_group prefixes the store it makes itself).
+    return {"store": PrefixStore("default_pg", store), "rank": rank, "world_size": world}
+
+
 def init_distributed(cfg: Config) -> tuple[int, int]:
     """Initialise the default group from torchrun/srun variables (or a 1-rank world) and Megatron."""
     from megatron_acrl.megatron import cpu_compat
@@ -64,7 +84,8 @@ def init_distributed(cfg: Config) -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        dist.init_process_group(backend, timeout=timeout, **_default_store(env, timeout))
     world = dist.get_world_size()
     p = cfg.parallel
     if p.world_size is not None and p.world_size != world:

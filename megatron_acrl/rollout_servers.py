@@ -12,12 +12,19 @@ coarser e4m3, quantized routers) are applied here, before the synchronizer, whic
 A server that dies is restarted from the served model directory and the update group reconnected
 (:meth:`RolloutServers.restart`); the driver then re-sends the current weights and retries
 (:meth:`megatron_acrl.context.RunContext.push_weights`, :func:`megatron_acrl.rollout.collect_rollouts`).
+
+A run owns what it starts: its servers and its clients hold one key (:func:`run_api_key`: the one
+``rollout.api_key_env`` names, else a random one made at start and held in memory only), exposed as
+:attr:`RolloutServers.api_key`. The run uses only servers it started or was given in
+``rollout.server_urls``, and those only when they answer with its key and refuse anyone without it;
+a fixed ``rollout.base_port`` another process holds is refused, naming that process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,15 @@ import torch
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
-from sglang_bridge.server import ServerSpec, SGLangServer, wait_for_servers
+from sglang_bridge.listeners import address_towards, port_holder, port_is_free
+from sglang_bridge.server import (
+    PortInUse,
+    ServersNotReady,
+    ServerSpec,
+    SGLangServer,
+    answers_anonymous,
+    wait_for_servers,
+)
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
@@ -44,6 +59,42 @@ def fp8_scheme(cfg: Config) -> Fp8Scheme | None:
         block_size=tuple(cfg.rollout.fp8_block_size),  # type: ignore[arg-type]
         ue8m0=cfg.rollout.fp8_scale_ue8m0,
     )
+
+
+def run_api_key(cfg: Config) -> str:
+    """The key of this run's servers: the value of the variable ``rollout.api_key_env`` names, else a
+    random one made now (a run always keys its servers, on loopback too)."""
+    env = cfg.rollout.api_key_env
+    if env is None:
+        return secrets.token_urlsafe(32)
+    key = os.environ.get(env, "")
+    if not key:
+        raise ConfigError(
+            [("rollout.api_key_env", f"names {env}, which is not set; export the servers' key in it")]
+        )
+    return key
+
+
+def port_held(port: int, holder: str, what: str | None = None) -> ServersNotReady:
+    """The error of a fixed server port that another process holds (``rollout.base_port``)."""
+    what = what or f"port {port} is held by {holder}, which this run did not start"
+    return ServersNotReady(
+        f"rollout.base_port: {what}. This run uses only servers it starts or is given in "
+        "rollout.server_urls (with their key in rollout.api_key_env); unset rollout.base_port to pick "
+        "free ports, or choose others",
+        {f"port {port}": holder},
+    )
+
+
+def check_ports(cfg: Config) -> None:
+    """Before anything is built: raise :func:`port_held` for a fixed server port another process
+    holds (the servers' own start checks again, at launch)."""
+    r = cfg.rollout
+    if r.server_urls or not r.base_port or r.backend != "sglang":
+        return
+    for port in range(r.base_port, r.base_port + r.num_servers):
+        if not port_is_free(r.host, port):
+            raise port_held(port, port_holder(port))
 
 
 def routed_experts_topk(cfg: Config) -> int | None:
@@ -155,11 +206,7 @@ class RolloutServers:
         # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
         self.stress = self.scheme is not None and r.stress_quantization
         check_fp8_mode(cfg, self.fp8_mode)  # before any server starts
-        self.api_key = os.environ.get(r.api_key_env) if r.api_key_env else None
-        if r.api_key_env and not self.api_key:
-            raise RuntimeError(
-                f"rollout.api_key_env={r.api_key_env!r} but that environment variable is not set"
-            )
+        self._api_key = run_api_key(cfg)
         # Real FP8: the servers serve an FP8 copy of the checkpoint in the rollout's scheme (e4m3 +
         # scales + quantization_config, written once into the run directory), and the manifest every
         # sync is validated against is read from that copy. SGLang's online `--quantization fp8` of the
@@ -176,16 +223,35 @@ class RolloutServers:
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
 
+    @property
+    def api_key(self) -> str:
+        """The run's key: what its servers demand and its clients (and a router in front) send."""
+        return self._api_key
+
     def _start(self) -> list[str]:
         """Start the local servers and wait until all are healthy, or wait for the launch script's
-        (``rollout.server_urls``, started on their own nodes), naming any that never comes up."""
+        (``rollout.server_urls``, started on their own nodes), naming any that never comes up, that
+        refuses the run's key or that answers without one."""
         r = self.cfg.rollout
         if r.server_urls:
-            wait_for_servers(list(r.server_urls), timeout_s=r.startup_timeout_s, api_key=self.api_key)
-            return list(r.server_urls)
+            urls = list(r.server_urls)
+            wait_for_servers(urls, timeout_s=r.startup_timeout_s, api_key=self.api_key)
+            if open_ := {u: "answers without an API key" for u in urls if answers_anonymous(u)}:
+                raise ServersNotReady(
+                    f"rollout.server_urls: {', '.join(open_)} answer(s) requests without an API key, so "
+                    "anyone who can reach them can replace the weights this run trains on; start them "
+                    "with the key of rollout.api_key_env",
+                    open_,
+                )
+            return urls
         self.servers = [self._server(i) for i in range(r.num_servers)]
-        for s in self.servers:
-            s.launch()
+        try:
+            for s in self.servers:
+                s.launch()
+        except PortInUse as e:
+            for s in self.servers:
+                s.stop()
+            raise port_held(e.port, e.holder, str(e)) from e
         for s in self.servers:
             s.wait_healthy()
         return [s.url for s in self.servers]
@@ -215,6 +281,7 @@ class RolloutServers:
             Manifest.from_checkpoint(self.served_dir),
             server_tp=r.server_tp,
             api_key=self.api_key,
+            master_address=address_towards(self.urls[0]),  # the store listens where the servers dial
             device="cuda" if self.device == "cuda" else "cpu",
             bucket_size_mb=r.bucket_size_mb,
             fp8=None if self.stress else self.scheme,

@@ -14,6 +14,7 @@ way the servers this process started are stopped.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -135,6 +136,9 @@ def run(
     The stop handlers (see module doc) cover everything from set-up to clean-up: a SIGTERM while the
     servers start still checkpoints after the first step; leaving, however, stops every server.
     """
+    # Everything the run writes (run directory, logs, checkpoints, W&B files, its servers' logs) is
+    # its owner's alone, whatever the umask it was started with; the entry point owns the umask.
+    os.umask(0o077)
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args)
         try:

@@ -46,7 +46,13 @@ import httpx
 from tqdm.auto import tqdm
 
 from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
-from sglang_bridge.transport import ControlConnections, RequestDropped, ServerGoneError, SGLangHTTPError
+from sglang_bridge.transport import (
+    ControlConnections,
+    RequestDropped,
+    ServerGoneError,
+    SGLangHTTPError,
+    auth_headers,
+)
 
 _R = TypeVar("_R")
 
@@ -92,7 +98,7 @@ class SGLangClient:
         self.original_logprobs = original_logprobs
         self.timeout_s = timeout_s
         self._sem = asyncio.Semaphore(max_concurrency)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_headers(api_key)
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=5.0),

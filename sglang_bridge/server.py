@@ -20,7 +20,11 @@ through PDEATHSIG.
 
 Servers bind 127.0.0.1 unless told otherwise: anyone who can reach a server without ``api_key`` can
 replace its weights through the update endpoints. How to launch one is :class:`ServerSpec`
-(:mod:`sglang_bridge.server_spec`, re-exported here).
+(:mod:`sglang_bridge.server_spec`, re-exported here). A keyed server gets its key from a 0600 file
+that is removed once it answers, never from its command line, and its output reaches its 0600 log
+through a filter that redacts the key (:mod:`sglang_bridge.server_key`). It counts as up only when
+it answers with its key, for its model: a server on the same port started by someone else does not.
+A fixed port that another process already holds is refused (:class:`PortInUse`), naming that process.
 """
 
 from __future__ import annotations
@@ -46,11 +50,22 @@ from pathlib import Path
 from typing import Any
 
 from sglang_bridge.cpu_compat import HOOKS_ENV
+from sglang_bridge.listeners import WILDCARDS, port_holder, port_is_free
+from sglang_bridge.server_key import KeyFile, LogPump, open_private_log
 from sglang_bridge.server_spec import ServerSpec
+from sglang_bridge.transport import auth_headers
 
 
 class ServerStartError(RuntimeError):
     """A server died during start-up or did not become healthy in time (message has its log tail)."""
+
+
+class PortInUse(ServerStartError):
+    """The fixed port of a server is held by another process (``holder`` says which)."""
+
+    def __init__(self, message: str, port: int, holder: str):
+        super().__init__(message)
+        self.port, self.holder = port, holder
 
 
 log = logging.getLogger(__name__)
@@ -79,9 +94,7 @@ class ServersNotReady(RuntimeError):
 
 def probe(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> tuple[bool, str, bool]:
     """One health request: (ok, what happened, fatal) -- fatal means retrying cannot help."""
-    req = urllib.request.Request(url.rstrip("/") + "/model_info")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
+    req = urllib.request.Request(url.rstrip("/") + "/model_info", headers=auth_headers(api_key))
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status == 200, f"HTTP {r.status}", False
@@ -93,6 +106,12 @@ def probe(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> tuple
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         return False, f"not reachable ({reason})", False
+
+
+def answers_anonymous(url: str, timeout_s: float = 2.0) -> bool:
+    """True when the server at ``url`` answers ``/model_info`` without any key: it has none, and
+    anyone who can reach it can steer it."""
+    return probe(url, None, timeout_s)[0]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -221,6 +240,8 @@ class SGLangServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self._log_start = 0
+        self._key_file = KeyFile(spec.api_key) if spec.api_key else None
+        self._pump: LogPump | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -249,13 +270,21 @@ class SGLangServer:
             # SGLang would treat it as a hub id, fail, and (in 0.5.23) keep its process alive.
             raise ServerStartError(f"{self.name}: model path {model} has no config.json")
         _stop_all_at_exit()
-        self.port = self.spec.port or free_port(
-            self.spec.host if self.spec.host != "0.0.0.0" else "127.0.0.1"
-        )
+        bind_host = "127.0.0.1" if self.spec.host in WILDCARDS else self.spec.host
+        self.port = self.spec.port or free_port(bind_host)
         self.name = f"{self.name.split(':')[0]}:{self.port}"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed in stop()
-        self._log_file.write(f"# {' '.join(self.spec.command(self.port))}\n".encode())
+        if self.spec.port is not None and not port_is_free(self.spec.host, self.port):
+            holder = port_holder(self.port)
+            raise PortInUse(
+                f"{self.name}: port {self.port} is held by {holder}, which this process did not start: "
+                "it is neither used nor stopped. Pick another port, or none to get a free one",
+                self.port,
+                holder,
+            )
+        key_path = self._key_file.write() if self._key_file else None
+        cmd = self.spec.command(self.port, key_path)
+        self._log_file = open_private_log(self.log_path)
+        self._log_file.write(f"# {' '.join(cmd)}\n".encode())
         env = self.spec.env()
         if env.get(HOOKS_ENV):  # the log says which CPU emulations (e.g. the FP8 KV cache) this server runs
             self._log_file.write(f"# {HOOKS_ENV}={env[HOOKS_ENV]}\n".encode())
@@ -265,24 +294,28 @@ class SGLangServer:
             sys.platform == "linux" and threading.current_thread() is threading.main_thread(),
             self.spec.cpus,
         )
+        read_fd, write_fd = os.pipe()  # the child's output reaches its log through the key filter
         try:
             self._proc = subprocess.Popen(
-                self.spec.command(self.port),
+                cmd,
                 env=env,
-                stdout=self._log_file,
-                stderr=subprocess.STDOUT,
+                stdout=write_fd,
+                stderr=write_fd,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=preexec,
             )
         except subprocess.SubprocessError as e:  # the child's preexec failed: nothing was started
-            self._log_file.close()
-            self._log_file = None
+            os.close(read_fd)
+            self._close_files()
             raise ServerStartError(
                 f"{self.name}: could not bind the server to cores {list(self.spec.cpus or ())} "
                 f"(ServerSpec.cpus / rollout.server_cpus): {e} The host or this job's cpuset does not "
                 "allow them; pick cores this job may use (see /sys/fs/cgroup/cpuset.cpus.effective)"
             ) from e
+        finally:
+            os.close(write_fd)
+        self._pump = LogPump(read_fd, self._log_file, [self.spec.api_key or ""])
         with _LIVE_LOCK:
             _LIVE.add(self)
         return self
@@ -322,16 +355,18 @@ class SGLangServer:
                 continue
             if not self.alive():
                 rc = self._proc.returncode if self._proc else None
+                self.stop()  # drains its output into the log first
                 tail = self.log_tail()
-                self.stop()
                 raise ServerStartError(
                     f"{self.name} exited during start-up (rc={rc}); log {self.log_path}:\n{tail}"
                 )
             if self._model_info_ok():
+                if self._key_file is not None:  # read at start-up; no copy of the key is left on disk
+                    self._key_file.remove()
                 return
             if time.monotonic() > deadline:
-                tail = self.log_tail()
                 self.stop()
+                tail = self.log_tail()
                 raise ServerStartError(
                     f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; "
                     f"log {self.log_path}:\n{tail}"
@@ -339,13 +374,14 @@ class SGLangServer:
             time.sleep(1.0)
 
     def _model_info_ok(self) -> bool:
-        req = urllib.request.Request(self.url + "/model_info")
-        if self.spec.api_key:
-            req.add_header("Authorization", f"Bearer {self.spec.api_key}")
+        """Ours and up: our process runs, and the port answers our key (a server started by anyone
+        else, even for the same model, refuses it) with our model."""
+        if not self.alive():
+            return False
+        req = urllib.request.Request(self.url + "/model_info", headers=auth_headers(self.spec.api_key))
         try:
             with urllib.request.urlopen(req, timeout=2.0) as r:
                 info = json.loads(r.read() or b"{}")
-                # Another server on the same port (a port collision) would answer too: require ours.
                 return r.status == 200 and info.get("model_path") == self.spec.model_path
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -372,6 +408,14 @@ class SGLangServer:
                 proc.wait(timeout=grace_s)
         with _LIVE_LOCK:
             _LIVE.discard(self)
+        if self._pump is not None:
+            self._pump.join(timeout_s=5.0)  # the group is gone: its last lines reach the log
+            self._pump = None
+        self._close_files()
+
+    def _close_files(self) -> None:
+        if self._key_file is not None:
+            self._key_file.remove()
         if self._log_file is not None:
             with contextlib.suppress(Exception):
                 self._log_file.close()
@@ -464,11 +508,13 @@ class ServerGroup:
 
 
 __all__ = [
+    "PortInUse",
     "ServerGroup",
     "ServerSpec",
     "ServerStartError",
     "ServersNotReady",
     "SGLangServer",
+    "answers_anonymous",
     "free_port",
     "probe",
     "stop_all_servers",

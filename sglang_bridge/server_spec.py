@@ -1,13 +1,20 @@
-"""How to launch one SGLang server: :class:`ServerSpec`, its command line and its environment."""
+"""How to launch one SGLang server: :class:`ServerSpec`, its command line and its environment.
+
+A keyed spec's command line never holds the key: it names a ``--config`` file that does
+(:class:`sglang_bridge.server_key.KeyFile`), and its environment drops any variable holding it. A
+server that binds beyond loopback without a key is refused here, before anything starts.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from sglang_bridge.cpu_compat import server_env
+from sglang_bridge.listeners import is_loopback
 
 
 @dataclass(frozen=True)
@@ -21,7 +28,7 @@ class ServerSpec:
     """cpu: SGLang's CPU engine with the stand-ins of :mod:`sglang_bridge.cpu_compat`; cuda: real kernels."""
 
     host: str = "127.0.0.1"
-    """Bind address; keep loopback unless the job spans nodes (then set ``api_key``)."""
+    """Bind address; keep loopback unless the job spans nodes. Any other address needs ``api_key``."""
 
     port: int | None = None
     """HTTP port; None picks a free one at start."""
@@ -52,7 +59,9 @@ class ServerSpec:
     """GPU memory fraction for weights + KV cache; None: SGLang's default."""
 
     api_key: str | None = None
-    """Require this bearer key on every endpoint (``--api-key``)."""
+    """Require this bearer key on every endpoint but ``/health`` (SGLang's ``--api-key``, given through
+    the 0600 ``--config`` file of :meth:`command`, never on the command line). None: no key, allowed
+    on loopback only."""
 
     random_seed: int | None = 0
     """Sampling seed of the server (``--random-seed``)."""
@@ -82,6 +91,11 @@ class ServerSpec:
     """Further environment variables of the server process."""
 
     def __post_init__(self) -> None:
+        if not self.api_key and not is_loopback(self.host):
+            raise ValueError(
+                f"ServerSpec.host={self.host!r} without api_key: a server reachable beyond loopback "
+                "takes weight updates from anyone who can reach it; give it an api_key or bind 127.0.0.1"
+            )
         if self.cpus is not None and (
             not self.cpus
             or len(set(self.cpus)) != len(self.cpus)
@@ -103,8 +117,11 @@ class ServerSpec:
                 "pick cores from that range"
             )
 
-    def command(self, port: int) -> list[str]:
-        """The launch command line for this spec on ``port``."""
+    def command(self, port: int, key_file: str | Path | None = None) -> list[str]:
+        """The launch command line for this spec on ``port``; a keyed spec needs ``key_file``, the
+        0600 ``--config`` file that holds its key (written by :class:`~sglang_bridge.server_key.KeyFile`)."""
+        if self.api_key and key_file is None:
+            raise ValueError("a keyed server's key travels in its --config file: pass key_file")
         cmd = [
             sys.executable,
             "-m",
@@ -141,7 +158,7 @@ class ServerSpec:
         if self.quantization:
             cmd += ["--quantization", self.quantization]
         if self.api_key:
-            cmd += ["--api-key", self.api_key]
+            cmd += ["--config", str(key_file)]
         if self.random_seed is not None:
             cmd += ["--random-seed", str(self.random_seed)]
         if self.return_routed_experts:
@@ -153,7 +170,8 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        """The environment of the server process."""
+        """The environment of the server process (without any variable that holds the key: the
+        server reads it from its key file, and its environment would hand it to every sub-process)."""
         env = server_env(
             self.device,
             routed_experts=self.return_routed_experts,
@@ -164,4 +182,6 @@ class ServerSpec:
         if self.original_logprobs:
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         env.update(dict(self.extra_env))
+        if self.api_key:
+            env = {k: v for k, v in env.items() if v != self.api_key}
         return env

@@ -1,10 +1,11 @@
 """The client's HTTP transport pieces: its error types, and the keep-alive connections its small JSON
 control calls go over (:class:`ControlConnections`).
 
-Errors: a non-2xx answer is :class:`SGLangHTTPError` (with the server's message); a server that
-cannot be reached is :class:`ServerGoneError`; a connection that failed after its request was
-written is :class:`RequestDropped` (the server may or may not have acted on it, so a call that must
-not run twice is not retried).
+Every request carries the client's key in :func:`auth_headers`. Errors: a non-2xx answer is
+:class:`SGLangHTTPError` (with the server's message; a refused key says so); a server that cannot
+be reached is :class:`ServerGoneError`; a connection that failed after its request was written is
+:class:`RequestDropped` (the server may or may not have acted on it, so a call that must not run
+twice is not retried).
 """
 
 from __future__ import annotations
@@ -16,12 +17,20 @@ import urllib.parse
 from typing import Any
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that carry ``api_key`` (SGLang's bearer scheme); none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 class SGLangHTTPError(RuntimeError):
     """The server answered with an error status."""
 
     def __init__(self, url: str, path: str, status: int, body: str):
         self.status, self.body = status, body
-        super().__init__(f"{url}{path} -> HTTP {status}: {body[:500]}")
+        hint = ""
+        if status in (401, 403):
+            hint = " (the server refused this client's API key: it was started with another key, or none)"
+        super().__init__(f"{url}{path} -> HTTP {status}{hint}: {body[:500]}")
 
 
 class ServerGoneError(ConnectionError):

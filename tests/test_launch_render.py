@@ -46,7 +46,8 @@ def test_single_gpu_node_colocates_servers_on_loopback():
     cfg = load_config(QWEN7B, ["rollout.num_servers=2"])
     plan = plan_job(cfg, nodes=1, gpus_per_node=8)
     assert plan.server_mode == "colocated" and plan.ranks_per_node == 4 and plan.world_size == 4
-    assert plan.server_host == "127.0.0.1" and plan.api_key_env is None
+    # On loopback too: the job's servers are keyed (a run owns what it starts).
+    assert plan.server_host == "127.0.0.1" and plan.api_key_env == DEFAULT_API_KEY_ENV
     assert plan.server_gpus_per_node == 4 and plan.trainer_gpus_per_node == 4
 
 
@@ -83,7 +84,7 @@ def test_cpu_multi_node_dedicated():
         (["parallel.dp=3"], 2, 8, "set parallel.dp=2"),
         (["parallel.pp=7"], 2, 8, "use a multiple of tp*pp=28"),
         (["model.hf_path=null"], 2, 8, "model.hf_path"),
-        (["rollout.server_urls=[http://a:1]"], 2, 8, "filled in by the job script"),
+        (["rollout.server_urls=[http://a:1]", "rollout.api_key_env=K"], 2, 8, "filled in by the job script"),
         (["rollout.server_cpus=[0,1,2,3]"], 2, 8, "gets its CPUs from SLURM"),
         (["rollout.server_cpus=[0,1,2,3]"], 1, 8, "gets its CPUs from SLURM"),
     ],
@@ -150,10 +151,12 @@ def test_dry_run_dedicated_script(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("nodes", "gpus"), [(1, 8), (1, 0)])
-def test_dry_run_loopback_servers_get_no_key(tmp_path, capsys, nodes, gpus):
+def test_dry_run_loopback_servers_are_keyed_by_whoever_starts_them(tmp_path, capsys, nodes, gpus):
     extra = ["rollout.num_servers=2"] if gpus else ["--ranks-per-node", "4"]
     script = _render(tmp_path, capsys, "--nodes", str(nodes), "--gpus-per-node", str(gpus), *extra)
-    assert _var(script, "API_KEY_ENV") == "''" and _var(script, "SERVER_HOST") == "127.0.0.1"
+    # Colocated: the job script keys the servers it starts; driver: the driver keys its own.
+    assert _var(script, "API_KEY_ENV") == (DEFAULT_API_KEY_ENV if gpus else "''")
+    assert _var(script, "SERVER_HOST") == "127.0.0.1"
     assert _var(script, "SERVER_MODE") == ("colocated" if gpus else "driver")
 
 

@@ -97,7 +97,7 @@ def test_torchrun_with_servers_started_by_the_job(tmp_path):
     info = wait_job(job)
     log = _log(tmp_path / "tiny_dense", job)
     assert info["JobState"] == "COMPLETED", log
-    assert f"servers ok: ['http://127.0.0.1:{port}'] key=no" in log
+    assert f"servers ok: ['http://127.0.0.1:{port}'] key=yes" in log  # keyed on loopback too
     assert "all 1 rollout server(s) healthy" in log
 
 

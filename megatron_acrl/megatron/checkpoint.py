@@ -219,14 +219,18 @@ def _step_name(step: int) -> str:
 def _fsync_tree(root: Path) -> None:
     """fsync every file and directory under ``root`` (and ``root``): what rank 0 wrote (common
     state, metadata, the driver's file) is otherwise only in the page cache; the ``.distcp`` shards
-    were fsynced by their writers already, a second fsync costs nothing."""
+    were fsynced by their writers already, a second fsync costs nothing. On the way every file is
+    made 0600 and every directory 0700, whichever rank wrote it and whatever its umask was: a
+    checkpoint holds the run's weights and is its owner's alone."""
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
+                os.fchmod(fd, 0o600)
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        os.chmod(dirpath, 0o700)
         _fsync_dir(Path(dirpath))
 
 
@@ -241,7 +245,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_latest(root: Path, step: int, name: str) -> None:
     latest = root / "latest.json"
     tmp = root / f".latest.json.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(json.dumps({"step": step, "dir": name}))
         f.flush()
         os.fsync(f.fileno())
@@ -284,7 +288,9 @@ def save_step_atomically(
     if rank0:
         if tmp.exists():  # a crashed save of the same step
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(root, 0o700)  # the run's checkpoints: its owner's alone (see _fsync_tree)
+        tmp.mkdir(mode=0o700)
     dist.barrier()
     for write in writers:
         write(tmp)

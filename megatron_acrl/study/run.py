@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -49,11 +50,16 @@ def server_key(cfg: Config) -> str:
     return cfg.rollout.kv_cache_dtype
 
 
+SERVER_KEY_ENV = "ACRL_SGLANG_API_KEY"
+"""The variable a run on a grid's shared servers finds their key in (``rollout.api_key_env``)."""
+
+
 @contextlib.contextmanager
-def shared_servers(grid: Grid, log_dir: Path) -> Iterator[dict[str, str]]:
+def shared_servers(grid: Grid, log_dir: Path, api_key: str) -> Iterator[dict[str, str]]:
     """SGLang CPU servers for the grid, one per distinct :func:`server_key` of its arms (a BF16-KV
     baseline and FP8-KV arms need two); empty when the grid starts a server per run. The servers
-    sleep while idle, so a grid's idle second server costs no CPU."""
+    sleep while idle, so a grid's idle second server costs no CPU. They demand ``api_key``, which
+    only the grid's runs are given."""
     cfg = next(iter(grid.configs.values()))
     if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
         yield {}
@@ -75,6 +81,7 @@ def shared_servers(grid: Grid, log_dir: Path) -> Iterator[dict[str, str]]:
                 model_path=model_dir,
                 device=device,  # type: ignore[arg-type]
                 random_seed=grid.seeds[0],
+                api_key=api_key,
                 kv_cache_dtype=key,  # type: ignore[arg-type]
                 # One intra-op thread, like the runs' trainers: grids run concurrently (--jobs), and
                 # OpenMP threads spin-waiting on an oversubscribed 2-core machine made steps 10-20x
@@ -100,6 +107,7 @@ def run_arm(
     out: Path,
     server_url: str | None = None,
     stop: StopSignals | None = None,
+    server_api_key: str | None = None,
 ) -> Path:
     """One training run; returns its run directory (reused when it finished with the same overrides).
     Raises :class:`StudyStopped` when ``stop`` was requested while it ran (no ``done`` marker)."""
@@ -114,15 +122,16 @@ def run_arm(
         except ValueError:
             pass  # an old marker: rerun
     cmd_overrides = [*overrides]
-    if server_url:
-        cmd_overrides.append(f'rollout.server_urls=["{server_url}"]')
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    if server_url:  # the key travels in the environment, never on the command line
+        cmd_overrides += [f'rollout.server_urls=["{server_url}"]', f"rollout.api_key_env={SERVER_KEY_ENV}"]
+        env[SERVER_KEY_ENV] = server_api_key or ""
     if grid.ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launcher = [sys.executable, "-m", "launch.torchrun", "--standalone"]  # stores on loopback
         launcher.append(f"--nproc-per-node={grid.ranks}")
     else:
         launcher = [sys.executable]
     cmd = [*launcher, "-m", "megatron_acrl.train", "--config", grid.base, "--run-dir", str(run_dir)]
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     if run_dir.exists():  # a stale or changed run: start clean so metrics.jsonl is this run's alone
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -145,7 +154,8 @@ def run_grid(grid: Grid, out: Path, stop: StopSignals | None = None) -> float:
     out.mkdir(parents=True, exist_ok=True)
     retried: set[tuple[str, int]] = set()
     while todo:
-        with shared_servers(grid, out) as urls:
+        key = secrets.token_urlsafe(32)  # one per set of shared servers
+        with shared_servers(grid, out, key) as urls:
             while todo:
                 arm, seed = todo[0]
                 if stop is not None and stop.requested:
@@ -153,7 +163,7 @@ def run_grid(grid: Grid, out: Path, stop: StopSignals | None = None) -> float:
                 t1 = time.monotonic()
                 print(f"study[{grid.name}]: {arm} seed {seed}", flush=True)
                 try:
-                    run_arm(grid, arm, seed, out, urls.get(server_key(grid.configs[arm])), stop)
+                    run_arm(grid, arm, seed, out, urls.get(server_key(grid.configs[arm])), stop, key)
                 except RuntimeError as err:
                     if (arm, seed) in retried:
                         raise

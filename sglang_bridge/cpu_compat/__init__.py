@@ -20,6 +20,9 @@ CPU torch.
    an FP8 (e4m3) KV cache, which SGLang's CPU engine only offers with Intel AMX kernels. Every CPU
    server also gets ``paused_sleep``: with ``--sleep-on-idle`` a *paused* scheduler (a weight update)
    sleeps on its sockets like an idle one instead of spinning on a core.
+5. Every server, CPU or CUDA, gets the hook ``bound_stores``: the TCP store of SGLang's own TP group
+   listens on the server's bind address only (loopback for a loopback or wildcard ``--host``), not on
+   every interface.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def server_env(
     above and the stand-in directory, and the patches asked for: ``routed_experts`` (the R3 allocator
     fix) and ``fp8_kv_cache`` (the emulated FP8 KV cache), plus ``paused_sleep`` always. For ``cuda``
     it leaves SGLang's real kernels alone (there the FP8 KV cache is SGLang's own,
-    ``--kv-cache-dtype fp8_e4m3``).
+    ``--kv-cache-dtype fp8_e4m3``). Both get ``bound_stores``.
     """
     env = dict(os.environ if base is None else base)
     # A server started from a torchrun/srun rank would otherwise inherit the trainer's rendezvous
@@ -87,13 +90,17 @@ def server_env(
             del env[key]
     env["HF_HUB_OFFLINE"] = "1"
     env.pop(HOOKS_ENV, None)  # only ever what this call asks for
+    path = [str(CPU_HOOK_DIR)]
+    hooks = []
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
         hooks = [name for name, on in (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache)) if on]
         hooks.append("paused_sleep")  # every CPU server: a no-op unless it runs with --sleep-on-idle
-        old = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = os.pathsep.join([str(CPU_HOOK_DIR), str(STAND_IN_DIR)] + ([old] if old else []))
-        env[HOOKS_ENV] = ",".join(hooks)
+        path.append(str(STAND_IN_DIR))
+    hooks.append("bound_stores")  # every server
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(path + ([old] if old else []))
+    env[HOOKS_ENV] = ",".join(hooks)
     return env
 
 

@@ -1,6 +1,8 @@
 """The weight-update group: a torch.distributed group of the trainer (rank 0) and every server's TP
 ranks, formed on both ends exactly as SGLang forms its end (``init_custom_process_group``), on
-torch's private group factory, without any default process group.
+torch's private group factory, without any default process group. Rank 0's store listens on the
+address the servers dial (``master_address``) only: loopback for servers on this machine
+(:class:`sglang_bridge.listeners.BoundTCPStore`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sglang_bridge.listeners import BoundTCPStore
 from sglang_bridge.weight_sync.interface import WeightSyncError
 
 
@@ -21,10 +24,10 @@ def host_update_store(
     ``master_port=0`` lets the OS pick a free port at bind time (read it back from ``store.port``).
     Picking a "free" port first and binding it later is racy: another process (a server starting
     next to us takes several ports for its own IPC) can take it in between, and the servers would
-    then dial whatever took it.
+    then dial whatever took it. It listens on ``master_address`` only, not on every interface.
     """
     try:
-        return dist.TCPStore(
+        return BoundTCPStore(
             master_address, master_port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
     except (RuntimeError, OSError) as e:
@@ -57,7 +60,7 @@ def create_update_group(
     # handler sees TORCHELASTIC_USE_AGENT_STORE and joins the *agent's* store as a client instead of
     # hosting this one, so trainer and servers would all wait for a host that never comes.
     if store is None:  # ``store``: one already hosted by :func:`host_update_store`
-        store = dist.TCPStore(
+        store = BoundTCPStore(
             master_address,
             master_port,
             world_size,

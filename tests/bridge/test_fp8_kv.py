@@ -63,17 +63,17 @@ def test_patch_rounds_k_and_v_through_e4m3():
 def test_launch_plumbing():
     cpu = ServerSpec(model_path="m", device="cpu", kv_cache_dtype="fp8_e4m3")
     env = cpu.env()
-    assert env[HOOKS_ENV] == "fp8_kv,paused_sleep"
+    assert env[HOOKS_ENV] == "fp8_kv,paused_sleep,bound_stores"
     assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(CPU_HOOK_DIR), str(STAND_IN_DIR)]
     assert "--kv-cache-dtype" not in cpu.command(1234)
     both = ServerSpec(model_path="m", device="cpu", kv_cache_dtype="fp8_e4m3", return_routed_experts=True)
-    assert both.env()[HOOKS_ENV] == "r3_alloc,fp8_kv,paused_sleep"
+    assert both.env()[HOOKS_ENV] == "r3_alloc,fp8_kv,paused_sleep,bound_stores"
     plain = ServerSpec(model_path="m", device="cpu")  # every CPU server sleeps while paused
-    assert plain.env()[HOOKS_ENV] == "paused_sleep"
+    assert plain.env()[HOOKS_ENV] == "paused_sleep,bound_stores"
     assert plain.env()["PYTHONPATH"].split(os.pathsep)[0] == str(CPU_HOOK_DIR)
     gpu = ServerSpec(model_path="m", device="cuda", kv_cache_dtype="fp8_e4m3")
     cmd = gpu.command(1234)
-    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and HOOKS_ENV not in gpu.env()
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and gpu.env()[HOOKS_ENV] == "bound_stores"
     cfg = load_config(
         Path(__file__).resolve().parents[2] / "configs" / "demo.yaml", ["rollout.kv_cache_dtype=fp8_e4m3"]
     )

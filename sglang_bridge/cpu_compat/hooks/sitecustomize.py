@@ -1,11 +1,11 @@
-"""Import-time patches of SGLang 0.5.23 for CPU servers, each opted into by the bridge.
+"""Import-time patches of SGLang 0.5.23 (most for CPU servers), each opted into by the bridge.
 
 Loaded as ``sitecustomize`` from this directory, which :func:`sglang_bridge.cpu_compat.server_env` puts
-on the PYTHONPATH of every CPU server (each runs at least ``paused_sleep``); the names of the patches
-travel in ``SGLANG_BRIDGE_CPU_HOOKS`` (comma-separated, set by ``server_env`` from the ServerSpec, never
-by users). SGLang's spawned scheduler processes inherit the environment and so the hooks. Each patch is
-applied when its module is first imported (a meta-path finder wrapping the real loader) and changes
-nothing else.
+on the PYTHONPATH of every server (each runs at least ``bound_stores``, a CPU one ``paused_sleep``);
+the names of the patches travel in ``SGLANG_BRIDGE_CPU_HOOKS`` (comma-separated, set by
+``server_env`` from the ServerSpec, never by users). SGLang's spawned scheduler processes inherit
+the environment and so the hooks. Each patch is applied when its module is first imported (a
+meta-path finder wrapping the real loader) and changes nothing else.
 
 * ``r3_alloc`` (servers returning routed experts, R3): SGLang keeps every token's routing in a host
   buffer (``state_capturer/base.py: BaseHostCache``) allocated through
@@ -26,6 +26,11 @@ nothing else.
   send; with the patch the same as unpaused. The patch makes the paused branch take the idle sleep
   (a zmq poll on the request sockets: it wakes as soon as the next request arrives). Without
   ``--sleep-on-idle`` SGLang has no sleeper and the patch changes nothing.
+* ``bound_stores`` (every server, CPU and CUDA): SGLang's TP group rendezvous
+  (``init_process_group("tcp://<--host>:<port>")``) hosts a torch TCPStore, which listens on every
+  interface whatever the address; the patch hosts it on ``--host``'s address only (loopback when
+  ``--host`` is a wildcard: the TP ranks of one server run on its node), through
+  :class:`sglang_bridge.listeners.BoundTCPStore`.
 """
 
 from __future__ import annotations
@@ -80,10 +85,27 @@ def _patch_paused_sleep(module: types.ModuleType) -> None:
     scheduler._record_scheduler_state_for_paused_engine = paused_turn
 
 
+def _patch_bound_stores(module: types.ModuleType) -> None:
+    create = module._create_c10d_store
+
+    def create_bound(hostname, port, rank, world_size, timeout, use_libuv=True):  # noqa: ANN001, ANN202
+        if rank != 0 or module._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        # Imported at the first rendezvous, when torch.distributed is complete (this patch runs
+        # while torch.distributed itself is being imported).
+        from sglang_bridge.listeners import WILDCARDS, BoundTCPStore
+
+        host = "127.0.0.1" if hostname in WILDCARDS else hostname  # a server's TP ranks share its node
+        return BoundTCPStore(host, port, world_size, True, timeout, multi_tenant=True, use_libuv=use_libuv)
+
+    module._create_c10d_store = create_bound
+
+
 PATCHES: dict[str, tuple[str, Callable[[types.ModuleType], None]]] = {
     "r3_alloc": ("sglang.srt.mem_cache.pool_host.common", _patch_r3_alloc),
     "fp8_kv": ("sglang.srt.mem_cache.memory_pool", _patch_fp8_kv),
     "paused_sleep": ("sglang.srt.managers.scheduler", _patch_paused_sleep),
+    "bound_stores": ("torch.distributed.rendezvous", _patch_bound_stores),
 }
 
 
