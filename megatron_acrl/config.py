@@ -377,6 +377,13 @@ class RolloutConfig(_Section):
     startup_timeout_s: float = 300.0
     """How long to wait for a server to become healthy."""
 
+    # -- asynchronous RL and weight lag (docs/async.md) --
+
+    weight_lag_steps: int = 0
+    """Deterministic drift for experiments: the servers sample every batch with the policy of this
+    many RL steps ago (version max(0, t - L) at step t), in sync or async mode. Rank 0 keeps L + 1
+    host copies of the HF weights, and checkpoints hold them too (resume reproduces the lag)."""
+
     @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
@@ -396,6 +403,12 @@ class RolloutConfig(_Section):
             "samples_per_request",
         ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(
+            e,
+            self.weight_lag_steps >= 0,
+            "weight_lag_steps",
+            f"must be >= 0 (RL steps the served weights lag the trainer's), got {self.weight_lag_steps}",
+        )
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")

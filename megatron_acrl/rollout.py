@@ -9,7 +9,7 @@ that dies mid-rollout is restarted and the step retried with the same prompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -200,11 +200,14 @@ def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tupl
         return "retry", f"{type(e).__name__}: {e}"
 
 
-def collect_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+def collect_rollouts(
+    ctx: RunContext, state: DriverState, step: int, restore: Callable[[], object]
+) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate and reward one rollout batch on rank 0 and broadcast it to every rank.
 
-    A server that dies mid-generation is restarted, the current weights re-sent, and the step
-    retried with the same prompts; nothing is lost and nothing is trained twice.
+    A server that dies mid-generation is restarted, the served weights re-sent (``restore``, on
+    every rank), and the step retried with the same prompts; nothing is lost and nothing is trained
+    twice.
     """
     for attempt in range(ATTEMPTS):
         status: tuple[str, Any] = ("", None)
@@ -220,7 +223,7 @@ def collect_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Ro
         if status[0] == "error":
             raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
         log0(f"step {step}: rollout server failed ({status[1]}); restarted, re-sending weights and retrying")
-        ctx.push_weights(state.weight_version)
+        restore()
     raise RuntimeError("unreachable")
 
 

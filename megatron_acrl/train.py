@@ -28,18 +28,27 @@ from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
 from megatron_acrl.evaluate import evaluate
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
-from megatron_acrl.resume import DriverState, checkpoint_due, export_hf, load_driver_state, save_checkpoint
+from megatron_acrl.resume import (
+    DriverState,
+    check_resume,
+    checkpoint_due,
+    export_hf,
+    load_driver_state,
+    save_checkpoint,
+)
 from megatron_acrl.rollout import collect_rollouts
+from megatron_acrl.served_weights import ServedWeights
 from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
+from megatron_acrl.staleness import format_version
 from sglang_bridge.server import ServersNotReady
 
 
-def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState:
+def train(ctx: RunContext, state: DriverState, served: ServedWeights, stop: StopSignals) -> DriverState:
     """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
-        batch, m = collect_rollouts(ctx, state, step)  # generate -> reward (rank 0), broadcast
+        batch, m = collect_rollouts(ctx, state, step, served.restore)  # generate -> reward, broadcast
         t1 = time.perf_counter()
         tb = batch.tensors()
         old = policy.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
@@ -60,8 +69,8 @@ def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState
             if ctx.critic is not None:
                 m.update(ctx.critic.train_step(mb))  # critic/* metrics
         t3 = time.perf_counter()
-        state.weight_version = f"step-{step + 1}"
-        m.update(ctx.push_weights(state.weight_version))
+        state.weight_version = step + 1
+        m.update(served.publish(state.weight_version))  # the servers: version max(0, v - lag)
         t4 = time.perf_counter()
         state.step = step + 1
         m.update(
@@ -75,12 +84,12 @@ def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState
             }
         )
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
-            m.update(evaluate(ctx, state.step, state.weight_version))
+            m.update(evaluate(ctx, state.step, format_version(served.version), served.restore))
         if log is not None:
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
         stopping = any_rank(stop.requested)  # a stop signal on any rank: every rank stops here
         if stopping or checkpoint_due(ctx, state.step):
-            save_checkpoint(ctx, state)
+            save_checkpoint(ctx, state, served)
         if stopping:
             break
     return state
@@ -140,12 +149,13 @@ def run(
         try:
             if prepare is not None:
                 prepare(ctx)
-            state = load_driver_state(ctx)
+            state, step_dir = load_driver_state(ctx)
             ctx.start_logging(config_to_dict(cfg), state)
-            ctx.push_weights(state.weight_version)  # the servers start from the initial weights
-            state = train(ctx, state, stop)
+            served = ServedWeights(ctx, cfg.rollout.weight_lag_steps)
+            served.start(state.weight_version, step_dir)  # the initial (or the resumed run's) weights
+            state = train(ctx, state, served, stop)
             if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:
-                save_checkpoint(ctx, state)
+                save_checkpoint(ctx, state, served)
             if args.export_hf:
                 export_hf(ctx, args.export_hf)
             if ctx.rank == 0:
@@ -162,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.check_paths()
+        check_resume(cfg)  # a checkpoint this config cannot continue exactly
     except ConfigError as err:
         print(err, file=sys.stderr)
         return CONFIG_ERROR
