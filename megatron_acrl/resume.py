@@ -16,6 +16,7 @@ a crash at any point leaves the previous checkpoint as the one that resumes.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.config import Config
+from megatron_acrl.config import Config, ConfigError
 from megatron_acrl.context import RunContext, prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
 from megatron_acrl.served_weights import ServedWeights, check_resumable
@@ -38,7 +39,11 @@ class DriverState:
     weight_version: int = 0
     """The trainer's weight version: RL steps its weights have seen (``docs/async.md``)."""
     prompts_consumed: int = 0
+    """Prompts drawn from the run's prompt stream (async: admitted, trained or not)."""
     wandb_id: str | None = None
+    producer: dict[str, Any] | None = None
+    """The async producer's position: ``next_gid`` and the ``pending`` groups ([gid, text, answer,
+    uid]) admitted but not trained, which a resume generates again (:mod:`megatron_acrl.producer`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.weight_version, str):  # checkpoints before integer versions: "step-<v>"
@@ -94,6 +99,20 @@ def check_resume(cfg: Config) -> None:
     if step_dir is None:
         return
     check_resumable(cfg, step_dir, int(step_dir.name.rsplit("_", 1)[1]))  # step_<n> (or .trash-step_<n>)
+    driver = step_dir / "driver.pt"
+    saved = torch.load(driver, weights_only=False)["driver"] if driver.exists() else {}
+    pending = (saved.get("producer") or {}).get("pending")
+    if pending and cfg.rollout.mode == "sync":
+        raise ConfigError(
+            [
+                (
+                    "rollout.mode",
+                    f"the checkpoint {step_dir} was written in async mode with {len(pending)} admitted, "
+                    "untrained prompt groups, which only the async producer generates again: resume with "
+                    "rollout.mode=async (or start a fresh run)",
+                )
+            ]
+        )
 
 
 def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
@@ -118,8 +137,27 @@ def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
     if ctx.prompt_stream is not None:  # rank 0: the data continues where the checkpoint left it
         ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, state.prompts_consumed)
     ctx.last_checkpoint_step = state.step
+    if ctx.rank == 0:
+        forget_steps_after(ctx.run_dir / "metrics.jsonl", state.step)
     log0(f"resumed from {step_dir.name}: step {state.step}, weight version {state.weight_version}")
     return state, step_dir
+
+
+def forget_steps_after(metrics: Path, step: int) -> int:
+    """Drop the rows of steps after ``step`` from a run's ``metrics.jsonl`` (steps a crash lost after
+    the checkpoint it resumes from: they are trained again), so every step is there exactly once.
+    Rewritten atomically; returns the rows dropped."""
+    if not metrics.is_file():
+        return 0
+    lines = metrics.read_text().splitlines()
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    dropped = sum(1 for ln in lines if ln.strip()) - len(keep)
+    if dropped:
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(metrics)
+        log0(f"{metrics}: dropped {dropped} rows of steps after {step} (not in the checkpoint)")
+    return dropped
 
 
 def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:

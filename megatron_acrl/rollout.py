@@ -18,6 +18,7 @@ from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
 from megatron_acrl.context import prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
+from megatron_acrl.staleness import token_versions
 from megatron_acrl.tasks.base import Prompt, Task
 from sglang_bridge.client import ServerGoneError
 
@@ -53,11 +54,14 @@ def score_groups(
     pad_id: int,
     eos_id: int | None,
     first_group_id: int = 0,
+    with_versions: bool = False,
 ) -> RolloutBatch:
     """Decode, reward and pack the samples of each prompt into a :class:`RolloutBatch`.
 
     ``groups[i]`` holds prompt i's samples (:class:`sglang_bridge.client.Sample`); they become the
-    batch's consecutive rows with group id ``first_group_id + i``.
+    batch's consecutive rows with group id ``first_group_id + i``. ``with_versions``: also the
+    per-token weight versions (training batches; an evaluation's pushes are outside the run's
+    version sequence).
     """
     columns: dict[str, list[Any]] = {
         k: []
@@ -73,7 +77,7 @@ def score_groups(
             "completions",
         )
     }
-    experts = []
+    experts, versions = [], []
     for gi, (prompt, pids, samples) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
         for s in samples:
             out = list(s.output_ids)
@@ -89,10 +93,17 @@ def score_groups(
             columns["prompts"].append(prompt.text)
             columns["completions"].append(completion)
             experts.append(getattr(s, "routed_experts", None))
+            if with_versions:
+                versions.append(token_versions(len(out), s.weight_version, s.weight_versions))
     with_experts = [e is not None for e in experts]
     if any(with_experts) and not all(with_experts):
         raise ValueError("some samples carry routed_experts and others do not (mixed servers?)")
-    return build_batch(**columns, pad_id=pad_id, routed_experts=experts if any(with_experts) else None)
+    return build_batch(
+        **columns,
+        pad_id=pad_id,
+        routed_experts=experts if any(with_experts) else None,
+        token_versions=versions if with_versions else None,
+    )
 
 
 def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
@@ -115,6 +126,7 @@ def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> R
         pad_id=ctx.pad_id,
         eos_id=ctx.eos_id,
         first_group_id=first_group,
+        with_versions=True,
     )
 
 
