@@ -4,9 +4,12 @@ which checkpoints a lag can resume from, and every bad input refused before anyt
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_acrl.config import ConfigError, load_config
 from megatron_acrl.resume import DriverState, check_resume
@@ -80,3 +83,54 @@ def test_a_lag_the_checkpoint_cannot_serve_is_refused_up_front(tmp_path):
 def test_negative_lag_is_refused():
     msg = error_of(load_config, CONFIG, ["rollout.weight_lag_steps=-1"])
     assert "rollout.weight_lag_steps" in msg and ">= 0" in msg
+
+
+@pytest.mark.parametrize(
+    "overrides,key,words",
+    [
+        (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.max_staleness", ">= 1"),
+        (["rollout.mode=async", "rollout.backend=replay"], "rollout.mode", "set rollout.mode=sync"),
+        (["rollout.mode=async", "rollout.pause_mode=abort"], "rollout.pause_mode", "partial_rollouts=false"),
+        (
+            ["rollout.mode=async", "rollout.weight_lag_steps=2", "rollout.max_staleness=1"],
+            "rollout.max_staleness",
+            "raise it to >= 2",
+        ),
+        (["rollout.mode=overlap"], "rollout.mode", "async"),
+        (["rollout.stale_policy=skip"], "rollout.stale_policy", "drop"),
+    ],
+)
+def test_bad_async_input_names_the_field(overrides, key, words):
+    msg = error_of(load_config, CONFIG, overrides)
+    assert key in msg and words in msg
+
+
+def test_good_async_settings_load():
+    for extra in (
+        ["rollout.pause_mode=in_place"],
+        ["rollout.pause_mode=abort", "rollout.partial_rollouts=false"],
+        ["rollout.partial_rollouts=false"],
+        ["rollout.weight_lag_steps=1", "rollout.max_staleness=2", "rollout.stale_policy=drop"],
+    ):
+        cfg = load_config(CONFIG, ["rollout.mode=async", *extra])
+        assert cfg.rollout.mode == "async"
+    # sync mode ignores the async fields (a lag beyond K is fine there: K bounds the producer only)
+    assert load_config(CONFIG, ["rollout.weight_lag_steps=3"]).rollout.max_staleness == 1
+
+
+def test_entry_point_refuses_async_replay_and_async_checkpoints_in_sync(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_acrl.train", "--config", CONFIG, "rollout.mode=async"]
+        + ["--load-rollouts", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2 and "rollout.mode" in res.stderr and "--load-rollouts" in res.stderr
+    root = _checkpoint(tmp_path, 3, None)
+    pending = {"next_gid": 12, "pending": [[9, "1+1=", "2", 7]]}
+    torch.save({"driver": {"step": 3, "producer": pending}}, root / "step_00000003" / "driver.pt")
+    sync = load_config(CONFIG, [f"training.checkpoint_dir={root}"])
+    msg = error_of(check_resume, sync)
+    assert "rollout.mode" in msg and "1 admitted, untrained" in msg
+    check_resume(load_config(CONFIG, [f"training.checkpoint_dir={root}", "rollout.mode=async"]))
