@@ -26,9 +26,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
+from megatron_acrl.advantages import dynamic_sampling_keep
 from megatron_acrl.group_queue import GroupQueue
-from megatron_acrl.rollout import encode_prompts, score_groups
+from megatron_acrl.rollout import encode_prompts, score_groups, shape_rewards
 from megatron_acrl.rollout_servers import routed_experts_topk
 from megatron_acrl.tasks.base import Prompt
 from sglang_bridge.client import Sample, ServerGoneError, SGLangClient
@@ -344,7 +344,6 @@ class GenerationEngine:
 
     def _finish_group(self, gid: int) -> None:
         """Score a complete group (reward, DAPO shaping and filter) and hand it to the queue."""
-        cfg, r, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         with self.cond:
             prompt = self.queue.live[gid].prompt
         b = score_groups(
@@ -358,15 +357,9 @@ class GenerationEngine:
             first_group_id=gid,
             with_versions=True,
         )
-        if a.overlong_buffer_len:
-            b.rewards = b.rewards + overlong_penalty(
-                b.response_len,
-                max_len=r.max_new_tokens,
-                buffer_len=a.overlong_buffer_len,
-                penalty=a.overlong_penalty,
-            )
+        b = shape_rewards(b, self.ctx)
         keep = True
-        if cfg.algorithm.dynamic_sampling:
+        if self.cfg.algorithm.dynamic_sampling:
             keep = bool(dynamic_sampling_keep(b.rewards, b.group_ids).all())
         with self.cond:
             self.queue.finish(gid, b, keep=keep)

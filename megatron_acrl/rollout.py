@@ -142,6 +142,19 @@ def replayed_batch(ctx: RunContext, step: int) -> RolloutBatch:
     return batch
 
 
+def shape_rewards(b: RolloutBatch, ctx: RunContext) -> RolloutBatch:
+    """``b`` with DAPO's overlong penalty added to its rewards ``[N]`` (when configured)."""
+    r, a = ctx.cfg.rollout, ctx.cfg.algorithm
+    if a.overlong_buffer_len:
+        b.rewards = b.rewards + overlong_penalty(
+            b.response_len,
+            max_len=r.max_new_tokens,
+            buffer_len=a.overlong_buffer_len,
+            penalty=a.overlong_penalty,
+        )
+    return b
+
+
 def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, int]:
     """Rank 0: ``rollout.prompts_per_step`` groups of fresh samples, and the generation rounds it took.
 
@@ -158,14 +171,7 @@ def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tupl
     while n_kept < need:
         prompts = [next(ctx.prompt_stream) for _ in range(need - n_kept)]
         state.prompts_consumed += len(prompts)
-        b = sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000)
-        if a.overlong_buffer_len:
-            b.rewards = b.rewards + overlong_penalty(
-                b.response_len,
-                max_len=r.max_new_tokens,
-                buffer_len=a.overlong_buffer_len,
-                penalty=a.overlong_penalty,
-            )
+        b = shape_rewards(sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000), ctx)
         if a.dynamic_sampling and rounds < a.max_refill_rounds:
             keep = dynamic_sampling_keep(b.rewards, b.group_ids)
             spare.append(b.select(torch.nonzero(~keep).flatten()))
