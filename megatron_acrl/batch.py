@@ -7,7 +7,9 @@ Data contract (DESIGN.md): ``tokens [N, L]`` (prompt + response, right-padded), 
 ``routed_experts [N, L, num_layers, top_k]`` int16: position p holds the experts SGLang routed token p
 to, -1 where there is no routing (each sequence's last token, which the engine never fed through the
 model, and padding). Aligned with ``tokens``, not with the log-probs: the routing of position t-1
-produced the distribution of token t.
+produced the distribution of token t. ``token_versions [N, L]`` int64: the weight version each
+response token was sampled with (:mod:`megatron_acrl.staleness`; a request paused across a weight
+update carries two), -1 on prompt and padding positions; None in recordings made before it existed.
 
 The train batch adds ``old_logprobs [N, L]`` (pi_old), optional ``ref_logprobs``, ``advantages
 [N, L]`` and ``values``; :func:`minibatches` cuts it for PPO epochs.
@@ -46,6 +48,7 @@ class RolloutBatch:
     completions: list[str] = field(default_factory=list)
     num_nonfinite_logprobs: int = 0
     routed_experts: Tensor | None = None
+    token_versions: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -54,6 +57,8 @@ class RolloutBatch:
         out = {k: getattr(self, k) for k in TENSOR_FIELDS}
         if self.routed_experts is not None:
             out["routed_experts"] = self.routed_experts
+        if self.token_versions is not None:
+            out["token_versions"] = self.token_versions
         return out
 
     def select(self, index: Sequence[int] | Tensor) -> RolloutBatch:
@@ -68,6 +73,7 @@ class RolloutBatch:
             completions=[self.completions[i] for i in pick] if self.completions else [],
             num_nonfinite_logprobs=self.num_nonfinite_logprobs,
             routed_experts=self.routed_experts[idx] if self.routed_experts is not None else None,
+            token_versions=self.token_versions[idx] if self.token_versions is not None else None,
         )
 
     @staticmethod
@@ -95,6 +101,11 @@ class RolloutBatch:
             out["routed_experts"] = torch.cat(
                 [torch.nn.functional.pad(e, (0, 0, 0, 0, 0, width - e.shape[1]), value=-1) for e in experts]
             )
+        versions = [b.token_versions for b in batches]
+        if any(v is not None for v in versions):
+            if any(v is None for v in versions):
+                raise ValueError("cannot concatenate rollout batches with and without token_versions")
+            out["token_versions"] = torch.cat([pad(v, -1) for v in versions])  # type: ignore[arg-type]
         return RolloutBatch(**out)
 
     # -- record / replay ------------------------------------------------------------------------
@@ -142,13 +153,14 @@ def build_batch(
     prompts: Sequence[str] = (),
     completions: Sequence[str] = (),
     routed_experts: Sequence[Any] | None = None,
+    token_versions: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
     """Assemble right-padded tensors from per-sample token lists (see module doc for layout).
 
     Per sample: ``prompt_ids`` (P >= 1 tokens), ``output_ids`` (O tokens) and their
     ``rollout_logprobs`` (O floats, ``log mu`` of each output token as the engine sampled it);
     ``routed_experts``: per sample ``[P + O - 1, num_layers, top_k]`` integers (SGLang's routing of
-    positions 0 .. P+O-2), or None.
+    positions 0 .. P+O-2), or None; ``token_versions``: per sample O weight versions, or None.
     """
     n = len(prompt_ids)
     if not (len(output_ids) == len(rollout_logprobs) == len(rewards) == len(group_ids) == n):
@@ -175,6 +187,9 @@ def build_batch(
     experts = None
     if routed_experts is not None:
         experts = _routing_tensor(routed_experts, prompt_ids, output_ids, width)
+    versions = None
+    if token_versions is not None:
+        versions = _versions_tensor(token_versions, prompt_ids, output_ids, width)
     return RolloutBatch(
         tokens=tokens,
         loss_mask=mask,
@@ -188,7 +203,26 @@ def build_batch(
         completions=list(completions),
         num_nonfinite_logprobs=bad,
         routed_experts=experts,
+        token_versions=versions,
     )
+
+
+def _versions_tensor(
+    versions: Sequence[Sequence[int]],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    width: int,
+) -> Tensor:
+    """``[N, width]`` int64 weight versions on response positions, -1 elsewhere."""
+    if len(versions) != len(prompt_ids):
+        raise ValueError(f"{len(versions)} token_versions for {len(prompt_ids)} samples")
+    out = torch.full((len(versions), width), -1, dtype=torch.long)
+    for i, (v, p, o) in enumerate(zip(versions, prompt_ids, output_ids, strict=True)):
+        if len(v) != len(o):
+            raise ValueError(f"sample {i}: {len(v)} token versions for {len(o)} output tokens")
+        if v:
+            out[i, len(p) : len(p) + len(o)] = torch.tensor(list(v), dtype=torch.long)
+    return out
 
 
 def _routing_tensor(

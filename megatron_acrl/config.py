@@ -384,6 +384,30 @@ class RolloutConfig(_Section):
     startup_timeout_s: float = 300.0
     """How long to wait for a server to become healthy."""
 
+    # -- asynchronous RL and weight lag (docs/async.md) --
+
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate, train, push the weights, in turn. async: the servers keep generating while the
+    trainer trains (rank 0's producer thread), within max_staleness weight versions (docs/async.md)."""
+
+    max_staleness: int = 1
+    """Async: K, the most weight versions a trained token may be older than the weights that train
+    on it (>= 1; 1 is one-step off-policy: batch t+1 is generated while batch t trains)."""
+
+    stale_policy: Literal["wait", "drop"] = "wait"
+    """Async: wait (admit a prompt only if its group can still be trained within K: nothing is
+    dropped) or drop (keep the servers busy, drop finished groups already older than K)."""
+
+    partial_rollouts: bool = True
+    """Async: requests in flight at a weight update go on with the new weights (pause_mode retract or
+    in_place; their tokens carry both versions). false: an update first lets them finish (retract,
+    in_place) or aborts them and generates them again (abort): every sample has one version."""
+
+    weight_lag_steps: int = 0
+    """Deterministic drift for experiments: the servers sample every batch with the policy of this
+    many RL steps ago (version max(0, t - L) at step t), in sync or async mode. Rank 0 keeps L + 1
+    host copies of the HF weights, and checkpoints hold them too (resume reproduces the lag)."""
+
     @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
@@ -403,6 +427,7 @@ class RolloutConfig(_Section):
             "samples_per_request",
         ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        self._validate_async(e)
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
@@ -478,6 +503,45 @@ class RolloutConfig(_Section):
             "api_key_env",
             f"must be an environment variable name (letters, digits, _), got {self.api_key_env!r}",
         )
+
+    def _validate_async(self, e: list[tuple[str, str]]) -> None:
+        """The asynchronous-RL and weight-lag fields (docs/async.md)."""
+        _check(
+            e,
+            self.weight_lag_steps >= 0,
+            "weight_lag_steps",
+            f"must be >= 0 (RL steps the served weights lag the trainer's), got {self.weight_lag_steps}",
+        )
+        _check(
+            e,
+            self.max_staleness >= 1,
+            "max_staleness",
+            f"must be >= 1 (weight versions), got {self.max_staleness}",
+        )
+        if self.mode == "async":
+            _check(
+                e,
+                self.backend != "replay",
+                "mode",
+                "async generates on live SGLang servers while training; a replay of recorded rollouts "
+                "(backend: replay, --load-rollouts) is sync: set rollout.mode=sync",
+            )
+            _check(
+                e,
+                not (self.pause_mode == "abort" and self.partial_rollouts),
+                "pause_mode",
+                "abort ends the requests in flight at a weight update, so they cannot go on with the new "
+                "weights: use pause_mode retract (or in_place) for partial rollouts, or set "
+                "rollout.partial_rollouts=false (aborted samples are generated again)",
+            )
+            _check(
+                e,
+                self.max_staleness >= self.weight_lag_steps,
+                "max_staleness",
+                f"every token is at least weight_lag_steps={self.weight_lag_steps} versions old, more than "
+                f"max_staleness={self.max_staleness} allows: raise it to >= {self.weight_lag_steps} "
+                f"({self.weight_lag_steps + 1} lets generation overlap training)",
+            )
 
     def cpus_of_server(self, k: int) -> tuple[int, ...] | None:
         """The cores of server ``k`` (its slice of :attr:`server_cpus`); None when they are shared."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import yaml
+from torch import Tensor
 
 from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.distributed import broadcast_object, init_distributed, log0
@@ -69,14 +70,19 @@ class RunContext:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def push_weights(self, version: str, *, quantize: bool = True) -> dict[str, float]:
+    def push_weights(
+        self, version: str, *, quantize: bool = True, weights: Sequence[tuple[str, Tensor]] | None = None
+    ) -> dict[str, float]:
         """Push the policy's weights to the rollout servers (all ranks walk the gathered stream);
         ``quantize=False`` pushes them without the rollout's FP8 quantization (bf16 servers only).
+        ``weights``: rank 0's stored HF-named weights to push instead (the lag buffer,
+        :mod:`megatron_acrl.served_weights`); then no rank walks the stream, and every rank passes
+        a value (the others' is ignored).
 
         A failed sync (a server died) restarts the servers and tries again, twice.
         """
         for attempt in range(3):
-            stream = self.policy.hf_weights(all_stages=True)
+            stream = iter(weights) if weights is not None else self.policy.hf_weights(all_stages=True)
             metrics: dict[str, float] = {}
             ok, retry, err = True, False, ""
             if self.servers is not None:

@@ -7,6 +7,7 @@ calls :func:`evaluate` (the weight pushes it makes are collective), rank 0 evalu
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.batch import RolloutBatch
@@ -17,13 +18,16 @@ if TYPE_CHECKING:
     from megatron_acrl.context import RunContext
 
 
-def evaluate(ctx: RunContext, step: int, version: str) -> dict[str, float]:
+def evaluate(
+    ctx: RunContext, step: int, version: str, restore: Callable[[], object] | None = None
+) -> dict[str, float]:
     """Evaluate the served policy: greedy accuracy and mean response length on the held-out split
     (``eval/accuracy``, ``eval/response_length``) and, with ``training.eval_samples``, the sampled
     reward on fixed training prompts (``eval/sampled_reward``). With ``training.eval_trainer_weights``
     the same again on the trainer's unquantized weights (``eval_trainer/*``), after which the
-    rollout's copy (``version``) is pushed back. Every rank calls this (the pushes are collective);
-    rank 0 evaluates, the others get {}."""
+    rollout's copy (``version``) is pushed back, by ``restore`` when given (the served weights may
+    lag the policy's: :mod:`megatron_acrl.served_weights`). Every rank calls this (the pushes are
+    collective); rank 0 evaluates, the others get {}."""
     m = _evaluate_served(ctx, "eval")
     if ctx.cfg.training.eval_trainer_weights:
         if ctx.cfg.rollout.quantization == "none":  # the served weights are the trainer's
@@ -31,7 +35,7 @@ def evaluate(ctx: RunContext, step: int, version: str) -> dict[str, float]:
         else:
             ctx.push_weights(f"{version}+unquantized", quantize=False)
             m.update(_evaluate_served(ctx, "eval_trainer"))
-            ctx.push_weights(version)
+            restore() if restore is not None else ctx.push_weights(version)
     return m
 
 

@@ -1,10 +1,12 @@
-"""Plots of a run (or several) from their ``metrics.jsonl``: reward, mismatch, ACRL state.
+"""Plots of a run (or several) from their ``metrics.jsonl``: reward, mismatch, ACRL state, async.
 
     python -m megatron_acrl.plots runs/demo [runs/other ...] --out runs/demo/plots
 
 Each figure overlays the runs given, labelled by directory name, with a 5-step moving average over
-noisy curves. ``make demo`` ends with :func:`reward_summary`'s line. The study draws its own report
-figures (per-arm means over seeds with a band: :mod:`megatron_acrl.study.report`).
+noisy curves; ``reward_mean_vs_time.png`` draws the reward against the training's own wall-clock
+time (the sum of ``time/step``), where a sync and an async run of one config differ
+(docs/async.md). ``make demo`` ends with :func:`reward_summary`'s line. The study draws its own
+report figures (per-arm means over seeds with a band: :mod:`megatron_acrl.study.report`).
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ PANELS = (
     ("correction/seq_masked_frac", "masked sequence fraction"),
     ("correction/clip_frac_high", "TIS clipped fraction (high)"),
     ("loss/entropy", "entropy"),
+    ("async/staleness_mean", "staleness (versions, per sample)"),
+    ("mismatch_lag0/k3_kl", "k3 KL, tokens of lag 0"),
+    ("mismatch_lag1plus/k3_kl", "k3 KL, tokens of lag >= 1"),
+    ("time/trainer_idle", "trainer idle fraction"),
+    ("time/server_idle", "server idle fraction"),
 )
 
 
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
+def series(rows: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """``(x, y)`` of the finite values of ``key``; ``x``: "step", or "time" (seconds of training so
+    far: the cumulative ``time/step``, ending with the step's own)."""
+    xs, ys, clock = [], [], 0.0
     for r in rows:
+        clock += float(r.get("time/step", 0.0))
         v = r.get(key)
         if isinstance(v, int | float) and math.isfinite(float(v)):
-            xs.append(int(r["step"]))
+            xs.append(int(r["step"]) if x == "step" else clock)
             ys.append(float(v))
     return xs, ys
 
@@ -54,8 +64,11 @@ def plot_runs(
     runs = [read_jsonl_metrics(Path(d) / "metrics.jsonl") for d in run_dirs]
     names = list(labels) if labels else [Path(d).name for d in run_dirs]
     written = []
-    for key, title in PANELS:
-        curves = [(n, *series(rows, key)) for n, rows in zip(names, runs, strict=True)]
+    panels = [(key, title, "step") for key, title in PANELS]
+    if any(r.get("time/step") for rows in runs for r in rows):
+        panels.append(("reward/mean", "reward (train, sampled) vs training time", "time"))
+    for key, title, x in panels:
+        curves = [(n, *series(rows, key, x)) for n, rows in zip(names, runs, strict=True)]
         if not any(xs for _, xs, _ in curves):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -71,11 +84,11 @@ def plot_runs(
                 ]
                 ax.plot(xs, avg, color=line.get_color(), label=f"{name} (5-step mean)")
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("RL step" if x == "step" else "seconds of training (sum of time/step)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out / (key.replace("/", "_") + ".png")
+        path = out / (key.replace("/", "_") + ("" if x == "step" else "_vs_time") + ".png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -9,7 +9,7 @@ that dies mid-rollout is restarted and the step retried with the same prompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +18,7 @@ from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
 from megatron_acrl.context import prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
+from megatron_acrl.staleness import token_versions
 from megatron_acrl.tasks.base import Prompt, Task
 from sglang_bridge.client import ServerGoneError
 
@@ -53,11 +54,14 @@ def score_groups(
     pad_id: int,
     eos_id: int | None,
     first_group_id: int = 0,
+    with_versions: bool = False,
 ) -> RolloutBatch:
     """Decode, reward and pack the samples of each prompt into a :class:`RolloutBatch`.
 
     ``groups[i]`` holds prompt i's samples (:class:`sglang_bridge.client.Sample`); they become the
-    batch's consecutive rows with group id ``first_group_id + i``.
+    batch's consecutive rows with group id ``first_group_id + i``. ``with_versions``: also the
+    per-token weight versions (training batches; an evaluation's pushes are outside the run's
+    version sequence).
     """
     columns: dict[str, list[Any]] = {
         k: []
@@ -73,7 +77,7 @@ def score_groups(
             "completions",
         )
     }
-    experts = []
+    experts, versions = [], []
     for gi, (prompt, pids, samples) in enumerate(zip(prompts, prompt_ids, groups, strict=True)):
         for s in samples:
             out = list(s.output_ids)
@@ -89,10 +93,17 @@ def score_groups(
             columns["prompts"].append(prompt.text)
             columns["completions"].append(completion)
             experts.append(getattr(s, "routed_experts", None))
+            if with_versions:
+                versions.append(token_versions(len(out), s.weight_version, s.weight_versions))
     with_experts = [e is not None for e in experts]
     if any(with_experts) and not all(with_experts):
         raise ValueError("some samples carry routed_experts and others do not (mixed servers?)")
-    return build_batch(**columns, pad_id=pad_id, routed_experts=experts if any(with_experts) else None)
+    return build_batch(
+        **columns,
+        pad_id=pad_id,
+        routed_experts=experts if any(with_experts) else None,
+        token_versions=versions if with_versions else None,
+    )
 
 
 def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
@@ -115,6 +126,7 @@ def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> R
         pad_id=ctx.pad_id,
         eos_id=ctx.eos_id,
         first_group_id=first_group,
+        with_versions=True,
     )
 
 
@@ -128,6 +140,19 @@ def replayed_batch(ctx: RunContext, step: int) -> RolloutBatch:
             "rollout.return_routed_experts, or set moe_routing_replay: off / train"
         )
     return batch
+
+
+def shape_rewards(b: RolloutBatch, ctx: RunContext) -> RolloutBatch:
+    """``b`` with DAPO's overlong penalty added to its rewards ``[N]`` (when configured)."""
+    r, a = ctx.cfg.rollout, ctx.cfg.algorithm
+    if a.overlong_buffer_len:
+        b.rewards = b.rewards + overlong_penalty(
+            b.response_len,
+            max_len=r.max_new_tokens,
+            buffer_len=a.overlong_buffer_len,
+            penalty=a.overlong_penalty,
+        )
+    return b
 
 
 def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, int]:
@@ -146,14 +171,7 @@ def generate_with_refill(ctx: RunContext, state: DriverState, step: int) -> tupl
     while n_kept < need:
         prompts = [next(ctx.prompt_stream) for _ in range(need - n_kept)]
         state.prompts_consumed += len(prompts)
-        b = sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000)
-        if a.overlong_buffer_len:
-            b.rewards = b.rewards + overlong_penalty(
-                b.response_len,
-                max_len=r.max_new_tokens,
-                buffer_len=a.overlong_buffer_len,
-                penalty=a.overlong_penalty,
-            )
+        b = shape_rewards(sample_groups(ctx, prompts, first_group=step * 1_000_000 + rounds * 10_000), ctx)
         if a.dynamic_sampling and rounds < a.max_refill_rounds:
             keep = dynamic_sampling_keep(b.rewards, b.group_ids)
             spare.append(b.select(torch.nonzero(~keep).flatten()))
@@ -200,11 +218,14 @@ def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tupl
         return "retry", f"{type(e).__name__}: {e}"
 
 
-def collect_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+def collect_rollouts(
+    ctx: RunContext, state: DriverState, step: int, restore: Callable[[], object]
+) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate and reward one rollout batch on rank 0 and broadcast it to every rank.
 
-    A server that dies mid-generation is restarted, the current weights re-sent, and the step
-    retried with the same prompts; nothing is lost and nothing is trained twice.
+    A server that dies mid-generation is restarted, the served weights re-sent (``restore``, on
+    every rank), and the step retried with the same prompts; nothing is lost and nothing is trained
+    twice.
     """
     for attempt in range(ATTEMPTS):
         status: tuple[str, Any] = ("", None)
@@ -220,7 +241,7 @@ def collect_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Ro
         if status[0] == "error":
             raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
         log0(f"step {step}: rollout server failed ({status[1]}); restarted, re-sending weights and retrying")
-        ctx.push_weights(state.weight_version)
+        restore()
     raise RuntimeError("unreachable")
 
 

@@ -286,6 +286,7 @@ class RolloutServers:
             bucket_size_mb=r.bucket_size_mb,
             fp8=None if self.stress else self.scheme,
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
+            pause_mode=r.pause_mode,  # what requests in flight do during an update (async RL)
             timeout_s=r.request_timeout_s,
         )
         self.synchronizer.connect()

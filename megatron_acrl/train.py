@@ -3,12 +3,15 @@
 Run it under ``torchrun`` (or ``srun``) for several trainer ranks; rank 0 drives the loop and owns the
 rollout servers, every rank trains. One step::
 
-    generate -> reward -> pi_old log-probs -> advantages -> controller -> train -> sync weights
+    batch (generate -> reward) -> pi_old log-probs -> advantages -> controller -> train -> publish
 
-Each phase is a named function in its own module; this file only wires them together, and is the
-entry point that owns SIGTERM / SIGINT (:mod:`megatron_acrl.signals`): the first finishes the step,
-checkpoints and stops (exit 0: the launch script requeues the job), a second stops at once; either
-way the servers this process started are stopped.
+The batch comes from the rollout producer (:mod:`megatron_acrl.producer`): generated now
+(``rollout.mode: sync``) or taken from the queue the servers keep filling while the trainer trains
+(``async``, within ``rollout.max_staleness`` weight versions). Each phase is a named function in
+its own module; this file only wires them together, and is the entry point that owns SIGTERM /
+SIGINT (:mod:`megatron_acrl.signals`): the first finishes the step, checkpoints and stops (exit 0:
+the launch script requeues the job), a second stops at once; either way the servers this process
+started are stopped.
 """
 
 from __future__ import annotations
@@ -27,20 +30,20 @@ from megatron_acrl.batch import RolloutBatch, minibatches
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
-from megatron_acrl.evaluate import evaluate
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
-from megatron_acrl.resume import DriverState, checkpoint_due, export_hf, load_driver_state, save_checkpoint
-from megatron_acrl.rollout import collect_rollouts
+from megatron_acrl.producer import Producer, make_producer
+from megatron_acrl.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
 from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
+from megatron_acrl.staleness import staleness_metrics
 from sglang_bridge.server import ServersNotReady
 
 
-def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState:
+def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSignals) -> DriverState:
     """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
-        batch, m = collect_rollouts(ctx, state, step)  # generate -> reward (rank 0), broadcast
+        batch, m = producer.next_batch(state, step)  # sync: generate now; async: a finished batch
         t1 = time.perf_counter()
         tb = batch.tensors()
         old = policy.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
@@ -61,30 +64,44 @@ def train(ctx: RunContext, state: DriverState, stop: StopSignals) -> DriverState
             if ctx.critic is not None:
                 m.update(ctx.critic.train_step(mb))  # critic/* metrics
         t3 = time.perf_counter()
-        state.weight_version = f"step-{step + 1}"
-        m.update(ctx.push_weights(state.weight_version))
+        state.weight_version = step + 1
+        m.update(producer.publish(state.weight_version))  # the servers: version max(0, v - lag)
         t4 = time.perf_counter()
         state.step = step + 1
-        m.update(
-            {
-                "time/rollout": t1 - t0,
-                "time/logprob": t2 - t1,
-                "time/train": t3 - t2,
-                "time/sync": t4 - t3,
-                "time/step": t4 - t0,
-                "perf/tokens_per_s": float(tb["loss_mask"].sum()) / max(t4 - t0, 1e-9),
-            }
-        )
+        m.update(phase_metrics(tb, (t0, t1, t2, t3, t4)) | producer.step_metrics(t4 - t0, t1 - t0))
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
-            m.update(evaluate(ctx, state.step, state.weight_version))
+            m.update(producer.evaluate(state.step))
         if log is not None:
+            m.update(drift_metrics(tb, trainer_version=step))  # staleness, mismatch by lag
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
         stopping = any_rank(stop.requested)  # a stop signal on any rank: every rank stops here
         if stopping or checkpoint_due(ctx, state.step):
-            save_checkpoint(ctx, state)
+            producer.save_checkpoint(state)
         if stopping:
             break
     return state
+
+
+def phase_metrics(tb: dict[str, Tensor], t: tuple[float, ...]) -> dict[str, float]:
+    """``time/*`` of the step's phases (``t``: the clock at its five boundaries) and its token rate."""
+    return {
+        "time/rollout": t[1] - t[0],
+        "time/logprob": t[2] - t[1],
+        "time/train": t[3] - t[2],
+        "time/sync": t[4] - t[3],
+        "time/step": t[4] - t[0],
+        "perf/tokens_per_s": float(tb["loss_mask"].sum()) / max(t[4] - t[0], 1e-9),
+    }
+
+
+def drift_metrics(tb: dict[str, Tensor], trainer_version: int) -> dict[str, float]:
+    """``async/*`` staleness and the mismatch split by lag, from the batch's per-token versions
+    (none in recordings made before them)."""
+    if "token_versions" not in tb:
+        return {}
+    return staleness_metrics(
+        tb["token_versions"], tb["loss_mask"], tb["old_logprobs"], tb["rollout_logprobs"], trainer_version
+    )
 
 
 def log_extras(cfg: Config, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:
@@ -144,12 +161,15 @@ def run(
         try:
             if prepare is not None:
                 prepare(ctx)
-            state = load_driver_state(ctx)
+            state, step_dir = load_driver_state(ctx)
             ctx.start_logging(config_to_dict(cfg), state)
-            ctx.push_weights(state.weight_version)  # the servers start from the initial weights
-            state = train(ctx, state, stop)
-            if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:
-                save_checkpoint(ctx, state)
+            producer = make_producer(ctx, state, step_dir)  # serves the initial (or resumed) weights
+            try:
+                state = train(ctx, state, producer, stop)
+                if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:
+                    producer.save_checkpoint(state)
+            finally:
+                producer.close()
             if args.export_hf:
                 export_hf(ctx, args.export_hf)
             if ctx.rank == 0:
@@ -166,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg.check_paths()
+        if args.load_rollouts and cfg.rollout.mode == "async":
+            raise ConfigError([("rollout.mode", "--load-rollouts replays recorded batches: set mode sync")])
+        check_resume(cfg)  # a checkpoint this config cannot continue exactly
     except ConfigError as err:
         print(err, file=sys.stderr)
         return CONFIG_ERROR

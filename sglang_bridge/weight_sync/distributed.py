@@ -383,7 +383,8 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         u.timings["buckets"] = time.perf_counter() - u.t_send
         t = time.perf_counter()
         if end is None:
-            self._calls.all("flush_cache")  # nothing sent (an empty partial update): still drop stale KV
+            if self.pause_mode != "in_place":  # nothing sent (an empty partial update): drop stale KV
+                self._calls.all("flush_cache")
             end = self._calls.submit_all("end_weight_update")
         try:
             ends = end.result(timeout=self.timeout_s)
@@ -451,8 +452,8 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
             self.group_name,
             load_format="flattened_bucket",
             # The last bucket's request also resets the radix cache / KV pools once every weight
-            # is in (see _open_update()).
-            flush_cache=bucket.last,
+            # is in (see _open_update()); not under an in_place pause, whose requests keep their KV.
+            flush_cache=bucket.last and self.pause_mode != "in_place",
         )
         work = broadcast_async(bucket.flat, self.group)
         f = _InFlight(bucket, idx, fut, work)

@@ -1,0 +1,369 @@
+"""The async producer's engine on rank 0: a thread with its own event loop that keeps the servers
+generating while the trainer trains.
+
+It admits prompts as the staleness bound allows (:class:`~megatron_acrl.group_queue.GroupQueue`),
+sends their samples to the servers in batched ``/generate`` requests (the least loaded server
+first), scores each group as its last sample returns and hands it to the queue, from which the
+trainer's thread takes a step's batch (:meth:`GenerationEngine.wait_batch`). Requests keep running
+across weight updates: the synchronizer pauses the servers (``rollout.pause_mode``), loads the new
+weights and continues, and SGLang records which output tokens each version produced.
+
+Faults: a request that fails because its server is gone is kept; the engine stops admitting and
+sending until the trainer's thread has restarted the server and re-sent the served weights
+(:meth:`restored`), then resubmits exactly the samples that were lost, so nothing is lost and no
+group is trained twice. A sample the servers abort (``pause_mode: abort``) is generated again from
+scratch on the new weights. Anything else (a bad answer, a prompt too long) is fatal and raised in
+the trainer's thread.
+
+Shared state is guarded by one condition variable; the loop thread never awaits while holding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from megatron_acrl.advantages import dynamic_sampling_keep
+from megatron_acrl.group_queue import GroupQueue
+from megatron_acrl.rollout import encode_prompts, score_groups, shape_rewards
+from megatron_acrl.rollout_servers import routed_experts_topk
+from megatron_acrl.tasks.base import Prompt
+from sglang_bridge.client import Sample, ServerGoneError, SGLangClient
+
+if TYPE_CHECKING:
+    from megatron_acrl.context import RunContext
+
+MAX_ABORTS = 10
+"""A sample the servers abort this often in a row is an error, not a weight update."""
+
+Slot = tuple[int, int]  # (group id, sample index)
+
+
+class PromptSource:
+    """Prompts in admission order: the groups a resumed run regenerates first, then the stream."""
+
+    def __init__(
+        self, stream: Iterator[Prompt], position: int, next_gid: int, pending: list[tuple[int, Prompt]]
+    ):
+        self.stream = stream
+        self.position = position
+        """Prompts drawn from the stream so far (``DriverState.prompts_consumed``)."""
+        self.next_gid = next_gid
+        self.pending = list(pending)
+
+    def next(self) -> tuple[int, Prompt]:
+        if self.pending:
+            return self.pending.pop(0)
+        prompt = next(self.stream)
+        self.position += 1
+        self.next_gid += 1
+        return self.next_gid - 1, prompt
+
+
+class BusyClock:
+    """Per server: seconds with a request in flight and the servers not paused for a weight update."""
+
+    def __init__(self, n: int):
+        self.total = [0.0] * n
+        self.since: list[float | None] = [None] * n
+
+    def update(self, busy: list[bool]) -> None:
+        now = time.perf_counter()
+        for i, b in enumerate(busy):
+            if b and self.since[i] is None:
+                self.since[i] = now
+            elif not b and self.since[i] is not None:
+                self.total[i] += now - self.since[i]  # type: ignore[operator]
+                self.since[i] = None
+
+    def read(self) -> list[float]:
+        now = time.perf_counter()
+        return [t + (now - s if s is not None else 0.0) for t, s in zip(self.total, self.since, strict=True)]
+
+
+class GenerationEngine:
+    """Rank 0's generation thread (module doc). The trainer's thread calls the public methods."""
+
+    def __init__(self, ctx: RunContext, queue: GroupQueue, prompts: PromptSource, served_version: int):
+        assert ctx.servers is not None
+        self.ctx, self.cfg, self.queue, self.prompts = ctx, ctx.cfg, queue, prompts
+        self.servers = ctx.servers
+        self.params = self.servers.sampling_params()
+        self.cond = threading.Condition()
+        self.served_version = served_version
+        self.held = 0
+        """Holds on admission (an evaluation, a weight update without partial rollouts)."""
+        self.paused = False
+        self.error: BaseException | None = None
+        self.failure: str | None = None
+        """Why requests failed on a server that is gone; cleared by :meth:`restored`."""
+        self.restarts_seen = self.servers.restarts
+        self.lost: list[Slot] = []  # failed with their server: resubmitted after the restart
+        self.aborted: list[Slot] = []  # aborted by the servers: generated again
+        self.aborts: dict[Slot, int] = {}
+        self.samples: dict[int, list[Sample | None]] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.in_flight: dict[str, int] = {u: 0 for u in self.servers.urls}
+        self.clock = BusyClock(len(self.servers.urls))
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+        self._clients: dict[str, SGLangClient] = {}
+        self._loop = asyncio.new_event_loop()
+        self._wake: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    # -- the trainer's thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_batch(self, step: int) -> tuple[str, Any]:
+        """Block until step ``step``'s groups are ready: ``("ok", TakeResult)``, or ``("failed", why)``
+        when a server is gone and must be restarted. A fatal error of the engine is raised here."""
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise RuntimeError(f"the rollout producer failed: {self.error!r}") from self.error
+                if self.failure is not None:
+                    if self.servers.restarts == self.restarts_seen:
+                        return "failed", self.failure
+                    self._restored_locked()  # a weight push restarted the servers meanwhile
+                taken = self.queue.take(step)
+                if taken is not None:
+                    self._poke()  # their places are free: admit more
+                    return "ok", taken
+                self.cond.wait(timeout=1.0)
+
+    def begin_update(self, drain: bool) -> None:
+        """A weight update starts (``drain``: first let every request in flight finish)."""
+        with self.cond:
+            if drain:
+                self._hold_locked(drain=True)
+            self.paused = True
+            self._tick()
+
+    def end_update(self, served_version: int, drained: bool) -> None:
+        """The servers now serve ``served_version``; admission continues."""
+        with self.cond:
+            self.served_version = served_version
+            self.paused = False
+            if drained:
+                self.held -= 1
+            if self.failure is not None and self.servers.restarts != self.restarts_seen:
+                self._restored_locked()
+            self._tick()
+            self._poke()
+
+    def hold(self) -> None:
+        """Stop admitting and wait until nothing is in flight (before an evaluation)."""
+        with self.cond:
+            self._hold_locked(drain=True)
+
+    def release(self) -> None:
+        with self.cond:
+            self.held -= 1
+            self._poke()
+
+    def restored(self) -> None:
+        """The failed servers are restarted and serve the served weights again: resubmit."""
+        with self.cond:
+            self._restored_locked()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The producer's position: prompts drawn, next group id, the admitted untrained groups."""
+        with self.cond:
+            pending = [(g.gid, g.prompt) for g in self.queue.pending()] + self.prompts.pending
+            return {
+                "prompts_consumed": self.prompts.position,
+                "next_gid": self.prompts.next_gid,
+                "pending": [[gid, p.text, p.answer, p.uid] for gid, p in sorted(pending, key=lambda x: x[0])],
+            }
+
+    def stats(self) -> dict[str, float]:
+        """Queue depth (finished groups waiting), groups in flight, stale groups dropped so far."""
+        with self.cond:
+            ready = len(self.queue.ready())
+            return {
+                "async/queue_depth": float(ready),
+                "async/in_flight_groups": float(len(self.queue.live) - ready),
+                "async/dropped_stale_groups": float(self.queue.dropped_stale),
+            }
+
+    def busy_seconds(self) -> list[float]:
+        """Per server, seconds so far with requests in flight outside weight updates."""
+        with self.cond:
+            return self.clock.read()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closing = True
+            self.cond.notify_all()
+        if self._thread.is_alive():
+            self._poke()
+            self._thread.join(timeout=60)
+
+    # -- shared helpers (called with the lock held) -------------------------------------------------
+
+    def _hold_locked(self, drain: bool) -> None:
+        self.held += 1
+        while drain and any(self.in_flight.values()) and self.error is None and self.failure is None:
+            self.cond.wait(timeout=1.0)
+
+    def _restored_locked(self) -> None:
+        self.restarts_seen = self.servers.restarts
+        self.failure = None
+        self.in_flight = {u: self.in_flight.get(u, 0) for u in self.servers.urls}
+        self._poke()
+
+    def _tick(self) -> None:
+        self.clock.update([bool(n) and not self.paused for n in self.in_flight.values()])
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # -- the engine's thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        try:
+            while not self._closing:
+                self._submit(self._work())
+                await self._wake.wait()
+                self._wake.clear()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
+
+    def _work(self) -> list[Slot]:
+        """Samples to send now: lost ones after a restart, aborted ones, newly admitted groups."""
+        with self.cond:
+            if self._closing or self.error is not None or self.failure is not None:
+                return []
+            work, self.lost, self.aborted = self.lost + self.aborted, [], []
+            if self.held:
+                return work
+            try:
+                r = self.cfg.rollout
+                for _ in range(self.queue.capacity(self.served_version)):
+                    gid, prompt = self.prompts.next()
+                    self.ids[gid] = encode_prompts(self.ctx.tokenizer, [prompt], r.max_prompt_len)[0]
+                    self.queue.admit(gid, prompt, self.served_version)
+                    self.samples[gid] = [None] * r.n_samples_per_prompt
+                    work += [(gid, j) for j in range(r.n_samples_per_prompt)]
+            except Exception as e:  # noqa: BLE001 - fatal, raised in the trainer's thread
+                self.error = e
+                self.cond.notify_all()
+            return work
+
+    def _submit(self, work: list[Slot]) -> None:
+        per = self.cfg.rollout.samples_per_request
+        for lo in range(0, len(work), per):
+            chunk = work[lo : lo + per]
+            with self.cond:
+                url = min(self.servers.urls, key=lambda u: self.in_flight.get(u, 0))
+                self.in_flight[url] = self.in_flight.get(url, 0) + len(chunk)
+                self._tick()
+            task = asyncio.ensure_future(self._request(url, chunk))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _client(self, url: str) -> SGLangClient:
+        if url not in self._clients:
+            r = self.cfg.rollout
+            self._clients[url] = SGLangClient(
+                url,
+                api_key=self.servers.api_key,
+                timeout_s=r.request_timeout_s,
+                max_concurrency=r.max_concurrency,
+                routed_experts_topk=routed_experts_topk(self.cfg),
+            )
+        return self._clients[url]
+
+    async def _request(self, url: str, chunk: list[Slot]) -> None:
+        """One batched ``/generate`` for ``chunk``; its samples go to their groups."""
+        try:
+            prompts = [self.ids[gid] for gid, _ in chunk]
+            out = await self._client(url).generate_batch(prompts, [self.params] * len(chunk))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a server gone (resubmit after restart) or fatal
+            self._failed(url, chunk, e)
+            return
+        finally:
+            with self.cond:
+                if url in self.in_flight:  # else: a server replaced since (its count went with it)
+                    self.in_flight[url] = max(0, self.in_flight[url] - len(chunk))
+                self._tick()
+                self.cond.notify_all()
+        try:
+            for slot, sample in zip(chunk, out, strict=True):
+                self._place(slot, sample)
+        except Exception as e:  # noqa: BLE001 - scoring failed: fatal
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _failed(self, url: str, chunk: list[Slot], e: Exception) -> None:
+        with self.cond:
+            if isinstance(e, ServerGoneError | TimeoutError) or self.servers.dead_servers():
+                self.lost += chunk
+                if self.failure is None:
+                    self.failure = f"{url}: {type(e).__name__}: {e}"
+            else:
+                self.error = e
+            self.cond.notify_all()
+
+    def _place(self, slot: Slot, sample: Sample) -> None:
+        gid, j = slot
+        if sample.finish_reason == "abort":
+            self.aborts[slot] = self.aborts.get(slot, 0) + 1
+            if self.aborts[slot] > MAX_ABORTS:
+                raise RuntimeError(f"group {gid} sample {j} was aborted {MAX_ABORTS} times by the servers")
+            with self.cond:
+                self.aborted.append(slot)
+            self._poke()
+            return
+        self.aborts.pop(slot, None)
+        slots = self.samples[gid]
+        slots[j] = sample
+        if all(s is not None for s in slots):
+            self._finish_group(gid)
+
+    def _finish_group(self, gid: int) -> None:
+        """Score a complete group (reward, DAPO shaping and filter) and hand it to the queue."""
+        with self.cond:
+            prompt = self.queue.live[gid].prompt
+        b = score_groups(
+            self.ctx.task,
+            self.ctx.tokenizer,
+            [prompt],
+            [self.ids[gid]],
+            [self.samples[gid]],
+            pad_id=self.ctx.pad_id,
+            eos_id=self.ctx.eos_id,
+            first_group_id=gid,
+            with_versions=True,
+        )
+        b = shape_rewards(b, self.ctx)
+        keep = True
+        if self.cfg.algorithm.dynamic_sampling:
+            keep = bool(dynamic_sampling_keep(b.rewards, b.group_ids).all())
+        with self.cond:
+            self.queue.finish(gid, b, keep=keep)
+            del self.samples[gid], self.ids[gid]
+            self.cond.notify_all()
+        if not keep:
+            self._poke()  # its place is free

@@ -1,0 +1,215 @@
+"""Where the loop's batches come from: the rollout producer, a named object the loop pulls from.
+
+Every rank holds one and calls each method (what the servers need goes through rank 0):
+
+* :meth:`~Producer.next_batch` -- the step's rollout batch on every rank;
+* :meth:`~Producer.publish` -- after the update: the servers serve the new version (or, with
+  ``rollout.weight_lag_steps``, the lagged one: :class:`~megatron_acrl.served_weights.ServedWeights`);
+* :meth:`~Producer.evaluate` -- an evaluation of the served policy;
+* :meth:`~Producer.step_metrics` -- ``time/trainer_idle``, ``time/server_idle`` and the queue;
+* :meth:`~Producer.save_checkpoint` -- a checkpoint of the run with the producer's position.
+
+:class:`SyncProducer` generates the step's batch when asked (``rollout.mode: sync``, today's loop
+and its exact resume). :class:`AsyncProducer` (``mode: async``) takes a finished batch from rank 0's
+:class:`~megatron_acrl.generation.GenerationEngine`, which keeps the servers generating within
+``rollout.max_staleness`` while the trainer trains; weight updates pause and continue the
+requests in flight (partial rollouts). On resume, the groups it had admitted but not trained are
+generated again, first, with the same group ids (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_acrl.batch import RolloutBatch, save_rollouts
+from megatron_acrl.distributed import broadcast_object, log0
+from megatron_acrl.evaluate import evaluate
+from megatron_acrl.generation import GenerationEngine, PromptSource
+from megatron_acrl.group_queue import GroupQueue
+from megatron_acrl.resume import DriverState, save_checkpoint
+from megatron_acrl.rollout import ATTEMPTS, collect_rollouts, rollout_metrics
+from megatron_acrl.served_weights import ServedWeights
+from megatron_acrl.staleness import format_version
+from megatron_acrl.tasks.base import Prompt
+
+if TYPE_CHECKING:
+    from megatron_acrl.context import RunContext
+
+
+class Producer:
+    """The interface the loop pulls from (module doc); the served weights are common to both."""
+
+    def __init__(self, ctx: RunContext, served: ServedWeights):
+        self.ctx = ctx
+        self.served = served
+        self._generation_s = 0.0
+
+    def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        raise NotImplementedError
+
+    def publish(self, version: int) -> dict[str, float]:
+        """The trainer now holds ``version``: the servers serve it, or its lagged predecessor."""
+        return self.served.publish(version)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return evaluate(self.ctx, step, format_version(self.served.version), self.served.restore)
+
+    def step_metrics(self, step_s: float, wait_s: float) -> dict[str, float]:
+        """Each side's idle fraction over a step of ``step_s`` seconds, ``wait_s`` of them spent
+        waiting for the batch."""
+        return {"time/trainer_idle": wait_s / max(step_s, 1e-9)}
+
+    def checkpoint_into(self, state: DriverState) -> None:
+        """Record the producer's position in ``state`` before a checkpoint."""
+
+    def save_checkpoint(self, state: DriverState) -> Path | None:
+        """Every rank: checkpoint the run at ``state.step``, with the producer's position and the
+        served weight sets (:func:`megatron_acrl.resume.save_checkpoint`)."""
+        self.checkpoint_into(state)
+        return save_checkpoint(self.ctx, state, self.served)
+
+    def close(self) -> None:
+        """Stop generating (safe to call twice)."""
+
+
+class SyncProducer(Producer):
+    """Generate the step's batch when the loop asks (:func:`megatron_acrl.rollout.collect_rollouts`)."""
+
+    def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        t = time.perf_counter()
+        out = collect_rollouts(self.ctx, state, step, self.served.restore)
+        self._generation_s = time.perf_counter() - t
+        return out
+
+    def step_metrics(self, step_s: float, wait_s: float) -> dict[str, float]:
+        # The servers work only while the step generates.
+        m = super().step_metrics(step_s, wait_s)
+        m["time/server_idle"] = max(0.0, 1.0 - self._generation_s / max(step_s, 1e-9))
+        return m
+
+
+class AsyncProducer(Producer):
+    """Take finished groups from rank 0's generation engine (module doc)."""
+
+    def __init__(self, ctx: RunContext, served: ServedWeights, state: DriverState):
+        super().__init__(ctx, served)
+        r, a = ctx.cfg.rollout, ctx.cfg.algorithm
+        self.drain_updates = not r.partial_rollouts and r.pause_mode != "abort"
+        self.engine: GenerationEngine | None = None
+        self._busy: list[float] = []
+        self._t_last = time.perf_counter()
+        if ctx.rank != 0:
+            return
+        assert ctx.prompt_stream is not None
+        position = state.producer or {}
+        queue = GroupQueue(
+            batch_groups=r.prompts_per_step,
+            max_staleness=r.max_staleness,
+            policy=r.stale_policy,
+            dynamic_sampling=a.dynamic_sampling,
+            refill_groups=a.max_refill_rounds * r.prompts_per_step,
+            next_step=state.step,
+        )
+        pending = [(int(g), Prompt(t, ans, int(uid))) for g, t, ans, uid in position.get("pending", [])]
+        source = PromptSource(ctx.prompt_stream, state.prompts_consumed, position.get("next_gid", 0), pending)
+        self.engine = GenerationEngine(ctx, queue, source, served.version)
+        self.engine.start()
+        self._busy = self.engine.busy_seconds()
+
+    def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step ``step``'s batch; a server found gone is restarted, the served weights re-sent, its
+        lost requests resubmitted, and the wait goes on (up to ``ATTEMPTS`` restarts a step)."""
+        for attempt in range(ATTEMPTS + 1):
+            status: tuple[str, Any] = ("", None)
+            if self.engine is not None:
+                status = self._take(step)
+            status = broadcast_object(status)
+            if status[0] == "ok":
+                batch, metrics = status[1]
+                metrics.update(rollout_metrics(batch))
+                if self.ctx.servers is not None:
+                    metrics["rollout/server_restarts"] = float(self.ctx.servers.restarts)
+                return batch, metrics
+            if status[0] == "error" or attempt == ATTEMPTS:
+                raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
+            log0(f"step {step}: rollout server failed ({status[1]}); restarting it, resubmitting requests")
+            if self.ctx.servers is not None:
+                self.ctx.servers.restart()
+            self.served.restore()  # every rank: the restarted server gets the served weights
+            if self.engine is not None:
+                self.engine.restored()
+        raise RuntimeError("unreachable")
+
+    def _take(self, step: int) -> tuple[str, Any]:
+        """Rank 0: wait for the engine: ``("ok", (batch, metrics))``, ``("retry" | "error", why)``."""
+        assert self.engine is not None
+        try:
+            kind, taken = self.engine.wait_batch(step)
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+            return "error", f"{type(e).__name__}: {e}"
+        if kind == "failed":
+            return "retry", taken
+        batch = RolloutBatch.concat([g.batch for g in taken.groups], self.ctx.pad_id)  # type: ignore[misc]
+        if self.ctx.args.save_rollouts:
+            save_rollouts(batch, self.ctx.args.save_rollouts, step)
+        metrics = self.engine.stats()
+        metrics["rollout/topped_up_groups"] = float(taken.topped_up)
+        return "ok", (batch, metrics)
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Push the update while the requests in flight pause (or, without partial rollouts, after
+        they finish); admission continues on the new version."""
+        if self.engine is not None:
+            self.engine.begin_update(drain=self.drain_updates)
+        try:
+            return self.served.publish(version)
+        finally:
+            if self.engine is not None:
+                self.engine.end_update(self.served.version, drained=self.drain_updates)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate with nothing of training's in flight: its pushes (trainer weights) never reach a
+        training sample."""
+        if self.engine is not None:
+            self.engine.hold()
+        try:
+            return super().evaluate(step)
+        finally:
+            if self.engine is not None:
+                self.engine.release()
+
+    def step_metrics(self, step_s: float, wait_s: float) -> dict[str, float]:
+        m = super().step_metrics(step_s, wait_s)
+        if self.engine is not None:
+            busy, now = self.engine.busy_seconds(), time.perf_counter()
+            span = max(now - self._t_last, 1e-9)
+            if len(busy) == len(self._busy):
+                per = [(b - a) / span for a, b in zip(self._busy, busy, strict=True)]
+                m["time/server_idle"] = max(0.0, 1.0 - sum(per) / len(per))
+            self._busy, self._t_last = busy, now
+        return m
+
+    def checkpoint_into(self, state: DriverState) -> None:
+        """The stream position, the next group id and the admitted, untrained groups (rank 0); a
+        resume generates those again, first."""
+        if self.engine is None:
+            return
+        position = self.engine.snapshot()
+        state.prompts_consumed = position.pop("prompts_consumed")
+        state.producer = position
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def make_producer(ctx: RunContext, state: DriverState, step_dir: Path | None) -> Producer:
+    """The run's producer, serving its first weights (the initial policy, or the checkpoint's)."""
+    served = ServedWeights(ctx, ctx.cfg.rollout.weight_lag_steps)
+    served.start(state.weight_version, step_dir)
+    if ctx.cfg.rollout.mode == "async":
+        return AsyncProducer(ctx, served, state)
+    return SyncProducer(ctx, served)

@@ -1,0 +1,36 @@
+"""Sync and async runs of one config in the same figures: per step and against training time."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_acrl.plots import plot_runs, series
+
+
+def test_sync_and_async_curves_share_each_figure(tmp_path):
+    runs = []
+    for name, step_s, stale in (("sync", 2.0, 0.0), ("async", 1.0, 1.0)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [
+            {
+                "step": s,
+                "reward/mean": 0.05 * s,
+                "time/step": step_s,
+                "time/trainer_idle": 0.5 / step_s,
+                "async/staleness_mean": stale,
+            }
+            for s in range(1, 13)
+        ]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        runs.append(run)
+    names = {f.name for f in plot_runs(runs, tmp_path / "plots")}
+    assert {
+        "reward_mean.png",
+        "reward_mean_vs_time.png",
+        "async_staleness_mean.png",
+        "time_trainer_idle.png",
+    } <= names
+    rows = [json.loads(x) for x in (runs[1] / "metrics.jsonl").read_text().splitlines()]
+    xs, ys = series(rows, "reward/mean", "time")
+    assert xs[:3] == [1.0, 2.0, 3.0] and ys[0] == 0.05  # seconds of training, the step's own included
