@@ -114,6 +114,16 @@ class _FanOut:
     def _pending(self) -> bool:
         return bool(self.shared) or any(t.own for t in self.targets)
 
+    def _may_take(self, t: _Target) -> bool:
+        """Whether ``t``'s idle slot takes the next request now: round-robin, whenever its own queue
+        has one; least-outstanding, only if no serving target has fewer requests in flight (every
+        target below ``max_in_flight`` has an idle slot waiting, so the least loaded one takes it)."""
+        if not self._queue(t):
+            return False
+        if self.policy == "round_robin":
+            return True
+        return t.in_flight <= min(x.in_flight for x in self.targets if not x.stats.failed)
+
     def _give_back(self, t: _Target, item: tuple[int, int]) -> None:
         """A failed target's request (and, round-robin, its queue) to the targets still serving."""
         alive = [x for x in self.targets if not x.stats.failed]
@@ -131,9 +141,7 @@ class _FanOut:
     ) -> None:
         while True:
             async with self.cond:
-                await self.cond.wait_for(
-                    lambda: bool(self._queue(t)) or self.busy == 0 or bool(t.stats.failed)
-                )
+                await self.cond.wait_for(lambda: self._may_take(t) or self.busy == 0 or bool(t.stats.failed))
                 if t.stats.failed or not self._queue(t):
                     return
                 item = self._queue(t).popleft()
