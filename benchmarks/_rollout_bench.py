@@ -3,6 +3,7 @@ workloads, the CPU time of a server's process tree, and the median / alternating
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 from pathlib import Path
@@ -72,3 +73,10 @@ def median(xs: list[float]) -> float:
 
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def require_positive(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Exit 2 (argparse's error) naming the first of ``names`` below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")

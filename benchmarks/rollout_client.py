@@ -32,7 +32,15 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rollout_bench import cores, load_average, median, model_dir, prompts, server_spec  # noqa: E402
+from _rollout_bench import (  # noqa: E402
+    cores,
+    load_average,
+    median,
+    model_dir,
+    prompts,
+    require_positive,
+    server_spec,
+)
 
 from sglang_bridge.client import SamplingParams, SGLangClient  # noqa: E402
 from sglang_bridge.fanout import fan_out  # noqa: E402
@@ -79,9 +87,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shared-cores", action="store_true", help="server and client on every core")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
-    for name in ("prompts", "n", "max_new_tokens", "concurrency", "reps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(ap, args, "prompts", "n", "max_new_tokens", "concurrency", "reps")
     return args
 
 

@@ -40,6 +40,7 @@ from _rollout_bench import (  # noqa: E402
     median,
     model_dir,
     prompts,
+    require_positive,
     server_spec,
     tree_cpu_seconds,
 )
@@ -82,9 +83,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
-    for name in ("groups", "n", "max_tokens", "concurrency", "reps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(ap, args, "groups", "n", "max_tokens", "concurrency", "reps")
     return args
 
 
