@@ -25,6 +25,7 @@ never samples with the initial weights.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,6 +42,8 @@ from sglang_bridge.server import ServerSpec, SGLangServer, wait_for_servers
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
+log = logging.getLogger(__name__)
+
 GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
 
 
@@ -241,6 +244,14 @@ class RolloutServers:
         self._routed = set(self.urls)
         return router
 
+    def _restart_router(self) -> None:
+        """A fresh router in front of every server (their weights are current: after a sync, or a
+        router that died while the servers lived)."""
+        assert self.router is not None
+        log.warning("sglang-router exited; starting a new one. Its log: %s", self.router.log_tail(10))
+        self.router.stop()
+        self.router = self._start_router()
+
     def _connect(self) -> None:
         r = self.cfg.rollout
         self.synchronizer = DistributedWeightSynchronizer(
@@ -276,6 +287,8 @@ class RolloutServers:
         A server that dies mid-rollout loses no group (see the module doc); raises
         :class:`ServerGoneError` only when no server is left to take them."""
         r = self.cfg.rollout
+        if self.router is not None and not self.router.alive():
+            raise ServerGoneError(f"sglang-router exited (log {self.router.log_path})")
         # Through the router: one client with every server's share of requests in flight. Direct:
         # the servers still running (a dead one is restarted at the next weight update).
         dead = set(self.dead_servers())
@@ -332,6 +345,9 @@ class RolloutServers:
         """After a weight sync every server holds the current weights: put the ones the router does
         not route to (restarted servers) back in, and drop dead ones."""
         if self.router is None:
+            return
+        if not self.router.alive():
+            self._restart_router()
             return
         for url in set(self._routed) - set(self.urls):
             self.router.remove_worker(url)
@@ -390,7 +406,12 @@ class RolloutServers:
         return [i for i, s in enumerate(self.servers) if not s.alive()]
 
     def restart(self) -> None:
-        """Restart dead local servers and reconnect the update group (weights must be re-sent)."""
+        """Restart dead local servers and reconnect the update group (weights must be re-sent); a
+        router that died while every server lives is started again alone."""
+        if self.router is not None and not self.router.alive() and not self.dead_servers():
+            self._restart_router()
+            self.restarts += 1
+            return
         if not self.servers:
             raise ServerGoneError(
                 f"an external SGLang server ({', '.join(self.urls)}) is gone (launch scripts own those)"

@@ -190,3 +190,20 @@ def test_router_spec_refuses_what_the_router_does_not_know() -> None:
     with pytest.raises(ValueError, match="policies are"):
         RouterSpec(worker_urls=("http://127.0.0.1:1",), policy="manual")
     assert issubclass(RouterError, RuntimeError)
+
+
+def test_a_dead_router_is_started_again(routed: RolloutServers) -> None:
+    from sglang_bridge.client import ServerGoneError
+
+    old = routed.router
+    assert old is not None and old._proc is not None
+    old._proc.kill()
+    old._proc.wait(timeout=30)
+    with pytest.raises(ServerGoneError, match="sglang-router exited"):
+        routed.generate(PROMPTS[:2], 2, SamplingParams(max_new_tokens=4))
+    restarts = routed.restarts
+    routed.restart()  # the servers live: only the router comes back
+    assert routed.restarts == restarts + 1 and routed.router is not None and routed.router is not old
+    assert set(routed.router.workers()) == set(routed.urls)
+    groups = routed.generate(PROMPTS[:4], 2, SamplingParams(max_new_tokens=4))
+    assert [len(g) for g in groups] == [2] * 4
