@@ -318,7 +318,7 @@ class RolloutServers:
                 await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
         result, router_loads = asyncio.run(run())
-        self._load.add(result, router_loads)
+        self._load.add(result, router_loads, routed=self.router is not None)
         return result.groups
 
     def load_metrics(self) -> dict[str, float]:
@@ -422,9 +422,12 @@ class RolloutServers:
             except Exception:  # noqa: BLE001 - the peer is gone; the group is torn down either way
                 pass
         for i in self.dead_servers() or range(len(self.servers)):
-            if self.router is not None and self.servers[i].url in self._routed:
-                self.router.remove_worker(self.servers[i].url)  # back in after the next weight sync
-                self._routed.discard(self.servers[i].url)
+            old = self.servers[i].url
+            if self.router is not None and old in self._routed:
+                if self.router.alive():  # a dead router is started afresh at the next sync
+                    self.router.remove_worker(old)  # back in after the next weight sync
+                self._routed.discard(old)
+            self._load.index.pop(old, None)
             self.servers[i].stop()
             self.servers[i] = self._server(i)
             self.servers[i].start()
@@ -461,14 +464,12 @@ class _LoadTally:
         self.samples: dict[int, float] = {}
         self.requeued = 0
 
-    def add(self, result: FanOutResult, router_loads: dict[str, float]) -> None:
+    def add(self, result: FanOutResult, router_loads: dict[str, float], routed: bool) -> None:
         self.seconds += result.seconds
         self.requeued += result.requeued
-        if router_loads:  # through the router: its sampled per-worker counts
-            for url, load in router_loads.items():
-                k = self.index.get(url)
-                if k is not None:
-                    self.load_s[k] = self.load_s.get(k, 0.0) + load * result.seconds
+        if routed:  # through the router: its sampled per-worker counts (0 where none was seen)
+            for url, k in self.index.items():
+                self.load_s[k] = self.load_s.get(k, 0.0) + router_loads.get(url, 0.0) * result.seconds
             return
         for st in result.stats:
             k = self.index.get(st.url)
