@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from test_e2e import BASE, CONFIG, rows, run_spec
 
+# ~2 min (two servers, a Megatron rank, three steps); tests/bridge/test_routing.py is the fast variant.
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 
