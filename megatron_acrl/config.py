@@ -1024,6 +1024,15 @@ class Config:
                 )
                 + f"; raise it to at least {longest} (or null for fixed micro_batch_size)",
             )
+            # Interleaved (virtual) pipelining with per-micro-batch shapes timed out in the layout
+            # test (ranks waiting in Megatron 0.16.1's p2p shape handshake); refused until verified.
+            _check(
+                e,
+                budget is None or not p.vpp,
+                f"training.{name}",
+                f"token-budget micro-batches are not supported with virtual pipelining "
+                f"(parallel.vpp={p.vpp}); set parallel.vpp=null or training.{name}=null",
+            )
         return e
 
 

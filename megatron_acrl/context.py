@@ -148,12 +148,11 @@ def prompt_stream(task: Task, seed: int, consumed: int = 0) -> Iterator[Prompt]:
 def check_batch_layout(cfg: Config, dp_size: int) -> None:
     """A rollout batch must split into minibatches of whole micro-batches on every data-parallel rank."""
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    t, p = cfg.training, cfg.parallel
+    t = cfg.training
     if t.max_tokens_per_microbatch is not None and t.logprob_token_budget is not None:
-        # Token-budget micro-batches cut whole sequences per rank (at least pp of them under VPP,
-        # whose schedule runs micro-batches in groups of pp).
-        mbs = p.pp if p.vpp else 1
-        what = f" x pp({p.pp}, virtual pipelining)" if p.vpp else ""
+        # Token-budget micro-batches cut whole sequences per rank (never with virtual pipelining:
+        # the config refuses it).
+        mbs, what = 1, ""
     else:
         mbs, what = t.micro_batch_size, f" x training.micro_batch_size({t.micro_batch_size})"
     unit = dp_size * mbs * cfg.algorithm.num_minibatches

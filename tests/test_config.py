@@ -138,6 +138,11 @@ def test_bad_choice_suggests_valid_one():
             "training.max_tokens_per_microbatch",
             "multiple of tp=2 under sequence parallelism = 82",
         ),
+        (
+            ["training.max_tokens_per_microbatch=256", "parallel.pp=2", "parallel.vpp=2"],
+            "training.max_tokens_per_microbatch",
+            "not supported with virtual pipelining",
+        ),
     ],
 )
 def test_out_of_range_values(override, key, words):

@@ -44,7 +44,7 @@ CASES = [
     dict(name="qwen2_bf16_tp2_pp2", kind="qwen2", layout=dict(tp=2, pp=2), bf16=True),
 ]
 # Token-budget micro-batches (training.max_tokens_per_microbatch) on a long-tailed batch, against
-# the single-rank fixed-micro-batch run on the same batch: every aggregation, TP/PP/VPP/DP/EP/SP, the
+# the single-rank fixed-micro-batch run on the same batch: every aggregation, TP/PP/DP/EP/SP, the
 # KL reference model, the critic. Budgets of 36-40 tokens cut the 8 sequences (5..16 tokens) into 1-3
 # micro-batches of different shapes per rank (variable sequence lengths under PP).
 VARLEN_REFS = {
@@ -71,7 +71,7 @@ BUDGET_CASES = [
     _budget(
         "budget_qwen2_tp2_pp2_seqmean", "varlen_qwen2_seq-mean-token-mean", 40, tp=2, pp=2, logprob_budget=64
     ),
-    _budget("budget_qwen2_pp2_vpp2_dp2_sumnorm", "varlen_qwen2_seq-mean-token-sum-norm", 36, pp=2, vpp=2),
+    _budget("budget_qwen2_pp2_dp2_sumnorm", "varlen_qwen2_seq-mean-token-sum-norm", 36, pp=2),
     _budget(
         "budget_qwen2_tp2_sp_dp2_seqmean",
         "varlen_qwen2_seq-mean-token-mean",
