@@ -1,7 +1,8 @@
 """The scale benchmarks end to end on short settings: ``benchmarks/rollout_client.py``,
 ``benchmarks/routing.py`` (real servers, a real sglang-router) and ``benchmarks/microbatch.py`` (a
 real Megatron rank). Values are not asserted: they are wall-clock ratios on a shared machine; the
-figures must be there, named as the issue names them, last."""
+figures must be there, named as the issue names them, last. The two server benchmarks are slow-tier
+(their parts run in the default tier through tests/bridge/test_routing.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def _figure(stdout: str, name: str) -> float:
     return float(last.rsplit(": ", 1)[1])
 
 
+@pytest.mark.slow  # ~2 min: a server start and 4 runs
 def test_rollout_client_benchmark(tmp_path: Path) -> None:
     proc = run_benchmark(
         "rollout_client.py",
@@ -32,6 +34,7 @@ def test_rollout_client_benchmark(tmp_path: Path) -> None:
     assert "ours: " in proc.stdout and "bare: " in proc.stdout and "tokens/s" in proc.stdout
 
 
+@pytest.mark.slow  # ~1.5 min: two servers, a router, 3 strategies
 @TWO_CORES
 def test_routing_benchmark(tmp_path: Path) -> None:
     proc = run_benchmark(
