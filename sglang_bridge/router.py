@@ -150,8 +150,12 @@ class SGLangRouter:
         preexec = _preexec(
             sys.platform == "linux" and threading.current_thread() is threading.main_thread(), None
         )
+        # The driver's environment holds the key (rollout.api_key_env): the child gets it without.
+        key = self.spec.api_key
+        env = {k: v for k, v in os.environ.items() if not (key and v == key)}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_bridge.router", json.dumps(args)],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
