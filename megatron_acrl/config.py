@@ -260,6 +260,11 @@ class ParallelConfig(_Section):
 Quantization = Literal["none", "fp8_block", "fp8_per_tensor", "fp8_per_channel"]
 
 
+RouterPolicy = Literal["cache_aware", "power_of_two", "round_robin", "random"]
+"""sglang-router 0.3.2 policies usable for a regular (not prefill/decode-split) deployment; its
+``manual`` policy needs a routing key per request and is not offered."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig(_Section):
     backend: Literal["sglang", "replay"] = "sglang"
@@ -408,6 +413,21 @@ class RolloutConfig(_Section):
     many RL steps ago (version max(0, t - L) at step t), in sync or async mode. Rank 0 keeps L + 1
     host copies of the HF weights, and checkpoints hold them too (resume reproduces the lag)."""
 
+    router: Literal["none", "sglang"] = "none"
+    """How /generate requests reach the servers. none: the driver fans the groups out itself, each to
+    the server with the fewest requests in flight (at most max_concurrency each), and re-sends a dead
+    server's groups to the others; sglang: through an sglang-router process the driver starts beside
+    the servers (same API key), with router_policy. Weight updates and pause/continue always go to
+    each server directly."""
+
+    router_policy: RouterPolicy = "cache_aware"
+    """sglang-router's policy (router: sglang): cache_aware (prefix-tree affinity, load balancing when
+    the servers drift apart), power_of_two (the less loaded of two random servers), round_robin,
+    random."""
+
+    router_port: int | None = None
+    """Port of the router on 127.0.0.1 (only the driver talks to it); None picks a free one."""
+
     @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
@@ -486,6 +506,23 @@ class RolloutConfig(_Section):
                 "binds only servers the driver starts itself; servers at server_urls are started "
                 "(and bound) elsewhere: set it to []",
             )
+        return e + self._router_checks()
+
+    def _router_checks(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(
+            e,
+            self.router == "none" or self.backend != "replay",
+            "router",
+            "the replay backend reads recorded rollouts and starts no servers to route to; set "
+            "rollout.router=none (or backend=sglang)",
+        )
+        _check(
+            e,
+            self.router_port is None or 1 <= self.router_port <= 65535,
+            "router_port",
+            "must be a valid TCP port or null (a free one)",
+        )
         return e
 
     def _check_key(self, e: list[tuple[str, str]]) -> None:
@@ -835,6 +872,27 @@ class TrainingConfig(_Section):
     sft_batch_size: int = 32
     """Sequences per supervised warm-start step."""
 
+    max_tokens_per_microbatch: int | None = None
+    """Cut training micro-batches by a token budget instead of micro_batch_size: sequences are sorted
+    by length and packed first-fit-decreasing into micro-batches whose padded size (sequences x their
+    own longest length, rounded to the TP size under sequence parallelism) stays within this many
+    tokens, and each data-parallel rank gets about the same number of tokens. The loss and its
+    gradients do not change (global denominators). None: fixed micro_batch_size, every micro-batch
+    padded to the longest sequence of the batch. Must hold the longest possible sequence
+    (rollout.max_prompt_len + rollout.max_new_tokens)."""
+
+    max_tokens_per_logprob_microbatch: int | None = None
+    """The same budget for the forward-only passes (pi_old, reference log-probs, critic values), which
+    keep no activations and can take more; None: max_tokens_per_microbatch (or micro_batch_size when
+    that is None too)."""
+
+    @property
+    def logprob_token_budget(self) -> int | None:
+        """The token budget of the forward-only passes (None: fixed micro_batch_size)."""
+        if self.max_tokens_per_logprob_microbatch is not None:
+            return self.max_tokens_per_logprob_microbatch
+        return self.max_tokens_per_microbatch
+
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
         _check(e, self.num_steps >= 0, "num_steps", "must be >= 0")
@@ -858,6 +916,9 @@ class TrainingConfig(_Section):
         _check(e, self.sft_steps >= 0, "sft_steps", "must be >= 0 (0 skips the warm-start)")
         _check(e, self.sft_lr > 0, "sft_lr", "must be > 0")
         _check(e, self.sft_batch_size >= 1, "sft_batch_size", "must be >= 1")
+        for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch"):
+            budget = getattr(self, name)
+            _check(e, budget is None or budget >= 1, name, f"must be >= 1 tokens, or null; got {budget}")
         return e
 
 
@@ -1018,6 +1079,7 @@ class Config:
             f"max_prompt_len + max_new_tokens = {total} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}",
         )
+        e += self._token_budget_checks()
         a = self.algorithm
         if a.name == "dr_grpo":
             _check(
@@ -1025,6 +1087,39 @@ class Config:
                 not a.grpo_norm_std,
                 "algorithm.grpo_norm_std",
                 "dr_grpo does not divide by the std; set false",
+            )
+        return e
+
+    def _token_budget_checks(self) -> list[tuple[str, str]]:
+        """A token budget must hold the longest possible sequence (padded to the TP size under
+        sequence parallelism): a micro-batch never splits a sequence."""
+        e: list[tuple[str, str]] = []
+        r, p, t = self.rollout, self.parallel, self.training
+        mult = p.tp if p.sequence_parallel else 1
+        longest = -(-(r.max_prompt_len + r.max_new_tokens) // mult) * mult
+        for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch"):
+            budget = getattr(t, name)
+            _check(
+                e,
+                budget is None or budget >= longest,
+                f"training.{name}",
+                f"{budget} tokens cannot hold the longest possible sequence: rollout.max_prompt_len + "
+                f"max_new_tokens = {r.max_prompt_len + r.max_new_tokens}"
+                + (
+                    f", padded to a multiple of tp={p.tp} under sequence parallelism = {longest}"
+                    if mult > 1
+                    else ""
+                )
+                + f"; raise it to at least {longest} (or null for fixed micro_batch_size)",
+            )
+            # Interleaved (virtual) pipelining with per-micro-batch shapes timed out in the layout
+            # test (ranks waiting in Megatron 0.16.1's p2p shape handshake); refused until verified.
+            _check(
+                e,
+                budget is None or not p.vpp,
+                f"training.{name}",
+                f"token-budget micro-batches are not supported with virtual pipelining "
+                f"(parallel.vpp={p.vpp}); set parallel.vpp=null or training.{name}=null",
             )
         return e
 

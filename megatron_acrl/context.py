@@ -156,15 +156,21 @@ def prompt_stream(task: Task, seed: int, consumed: int = 0) -> Iterator[Prompt]:
 def check_batch_layout(cfg: Config, dp_size: int) -> None:
     """A rollout batch must split into minibatches of whole micro-batches on every data-parallel rank."""
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    unit = dp_size * cfg.training.micro_batch_size * cfg.algorithm.num_minibatches
+    t = cfg.training
+    if t.max_tokens_per_microbatch is not None and t.logprob_token_budget is not None:
+        # Token-budget micro-batches cut whole sequences per rank (never with virtual pipelining:
+        # the config refuses it).
+        mbs, what = 1, ""
+    else:
+        mbs, what = t.micro_batch_size, f" x training.micro_batch_size({t.micro_batch_size})"
+    unit = dp_size * mbs * cfg.algorithm.num_minibatches
     if per_step % unit:
         raise ConfigError(
             [
                 (
                     "rollout.prompts_per_step",
                     f"prompts_per_step x n_samples_per_prompt = {per_step} "
-                    f"must be a multiple of dp({dp_size}) x training.micro_batch_size"
-                    f"({cfg.training.micro_batch_size}) x algorithm.num_minibatches"
+                    f"must be a multiple of dp({dp_size}){what} x algorithm.num_minibatches"
                     f"({cfg.algorithm.num_minibatches}) = {unit}",
                 )
             ]

@@ -198,7 +198,8 @@ def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
     batch, rounds = generate_with_refill(ctx, state, step)
     if ctx.args.save_rollouts:
         save_rollouts(batch, ctx.args.save_rollouts, step)
-    return batch, {"rollout/refill_rounds": float(rounds - 1)}
+    assert ctx.servers is not None
+    return batch, {"rollout/refill_rounds": float(rounds - 1), **ctx.servers.load_metrics()}
 
 
 def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tuple[str, Any]:

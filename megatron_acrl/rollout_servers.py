@@ -18,11 +18,20 @@ A run owns what it starts: its servers and its clients hold one key (:func:`run_
 :attr:`RolloutServers.api_key`. The run uses only servers it started or was given in
 ``rollout.server_urls``, and those only when they answer with its key and refuse anyone without it;
 a fixed ``rollout.base_port`` another process holds is refused, naming that process.
+
+Generation fans the groups out (:func:`generate_groups`): one request per group (a prompt's n
+samples), either to the server with the fewest requests in flight (``rollout.router: none``) or
+through an sglang-router the servers sit behind (``rollout.router: sglang``, started here with the
+servers' API key). A server that dies mid-rollout loses no group: its groups go to the others (the
+router retries them itself), it is taken out of rotation at once, and only after its restart *and*
+a weight sync (:meth:`RolloutServers.update_weights`) does it serve again, so a restarted server
+never samples with the initial weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 from collections.abc import Iterable, Sequence
@@ -33,8 +42,10 @@ import torch
 
 from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
+from sglang_bridge.fanout import FanOutResult, fan_out
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
 from sglang_bridge.listeners import address_towards, port_holder, port_is_free
+from sglang_bridge.router import LoadSampler, RouterSpec, SGLangRouter
 from sglang_bridge.server import (
     PortInUse,
     ServersNotReady,
@@ -46,6 +57,8 @@ from sglang_bridge.server import (
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
+log = logging.getLogger(__name__)
+
 GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
 
 
@@ -160,28 +173,31 @@ def check_fp8_mode(cfg: Config, fp8_mode: str) -> None:
         )
 
 
+ROUTING_POLICY_CODE = {
+    "least_outstanding": 0.0,
+    "cache_aware": 1.0,
+    "power_of_two": 2.0,
+    "round_robin": 3.0,
+    "random": 4.0,
+}
+"""``rollout/router_policy``: the routing in effect (least_outstanding is the driver's own fan-out)."""
+
+
 async def generate_groups(
     clients: Sequence[Any],
     prompt_ids: Sequence[Sequence[int]],
     params: Any,
     n: int,
-) -> list[list[Any]]:
-    """``n`` samples per prompt, prompts spread round-robin over ``clients`` (one per server)."""
-    shards: list[list[int]] = [[] for _ in clients]
-    for i in range(len(prompt_ids)):
-        shards[i % len(clients)].append(i)
-    results = await asyncio.gather(
-        *[
-            c.generate([prompt_ids[i] for i in idx], params, n)
-            for c, idx in zip(clients, shards, strict=True)
-            if idx
-        ]
+    *,
+    max_in_flight: int = 64,
+    samples_per_request: int | None = None,
+) -> FanOutResult:
+    """``n`` samples per prompt, one request per group, each to the client (a server, or the router)
+    with the fewest requests in flight (:func:`sglang_bridge.fanout.fan_out`); ``result.groups[i]``
+    holds prompt i's samples."""
+    return await fan_out(
+        clients, prompt_ids, params, n, max_in_flight=max_in_flight, samples_per_request=samples_per_request
     )
-    groups: list[list[Any]] = [[] for _ in prompt_ids]
-    for idx, res in zip([s for s in shards if s], results, strict=True):
-        for i, g in zip(idx, res, strict=True):
-            groups[i] = g
-    return groups
 
 
 class RolloutServers:
@@ -222,6 +238,11 @@ class RolloutServers:
         self.urls = self._start()
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
+        self.router: SGLangRouter | None = None
+        self._routed: set[str] = set()  # the URLs the router routes to (hold the current weights)
+        self._load = _LoadTally({u: k for k, u in enumerate(self.urls)})
+        if r.router == "sglang":
+            self.router = self._start_router()
 
     @property
     def api_key(self) -> str:
@@ -274,6 +295,29 @@ class RolloutServers:
             spec, self.log_dir / f"sglang_{i}.log", startup_timeout_s=r.startup_timeout_s, name=f"sglang[{i}]"
         )
 
+    def _start_router(self) -> SGLangRouter:
+        """sglang-router in front of every server, on loopback, holding the servers' API key."""
+        r = self.cfg.rollout
+        spec = RouterSpec(
+            worker_urls=tuple(self.urls),
+            policy=r.router_policy,
+            port=r.router_port,
+            api_key=self.api_key,
+            request_timeout_s=int(r.request_timeout_s),
+        )
+        router = SGLangRouter(spec, self.log_dir / "router.log", startup_timeout_s=r.startup_timeout_s)
+        router.start()
+        self._routed = set(self.urls)
+        return router
+
+    def _restart_router(self) -> None:
+        """A fresh router in front of every server (their weights are current: after a sync, or a
+        router that died while the servers lived)."""
+        assert self.router is not None
+        log.warning("sglang-router exited; starting a new one. Its log: %s", self.router.log_tail(10))
+        self.router.stop()
+        self.router = self._start_router()
+
     def _connect(self) -> None:
         r = self.cfg.rollout
         self.synchronizer = DistributedWeightSynchronizer(
@@ -306,26 +350,80 @@ class RolloutServers:
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Any]]:
-        """``n`` samples per prompt over all servers; raises :class:`ServerGoneError` if one died."""
+        """``n`` samples per prompt over all servers (directly or through the router).
 
-        async def run() -> list[list[Any]]:
+        A server that dies mid-rollout loses no group (see the module doc); raises
+        :class:`ServerGoneError` only when no server is left to take them."""
+        r = self.cfg.rollout
+        if self.router is not None and not self.router.alive():
+            raise ServerGoneError(f"sglang-router exited (log {self.router.log_path})")
+        # Through the router: one client with every server's share of requests in flight. Direct:
+        # the servers still running (a dead one is restarted at the next weight update).
+        dead = set(self.dead_servers())
+        live = [u for i, u in enumerate(self.urls) if i not in dead] or self.urls
+        targets = [self.router.url] if self.router is not None else live
+        cap = r.max_concurrency * (len(self._routed) if self.router is not None else 1)
+
+        async def run() -> tuple[FanOutResult, dict[str, float]]:
             clients = [
                 SGLangClient(
                     u,
                     api_key=self.api_key,
-                    timeout_s=self.cfg.rollout.request_timeout_s,
-                    max_concurrency=self.cfg.rollout.max_concurrency,
-                    samples_per_request=self.cfg.rollout.samples_per_request,
+                    timeout_s=r.request_timeout_s,
+                    max_concurrency=max(cap, 1),
                     routed_experts_topk=routed_experts_topk(self.cfg),
                 )
-                for u in self.urls
+                for u in targets
             ]
             try:
-                return await generate_groups(clients, prompt_ids, params, n)
+                kw = dict(max_in_flight=max(cap, 1), samples_per_request=r.samples_per_request)
+                if self.router is None:
+                    return await generate_groups(clients, prompt_ids, params, n, **kw), {}
+                async with LoadSampler(self.router, on_tick=self._drop_dead_from_router) as loads:
+                    result = await generate_groups(clients, prompt_ids, params, n, **kw)
+                return result, loads.means()
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
-        return asyncio.run(run())
+        result, router_loads = asyncio.run(run())
+        self._load.add(result, router_loads, routed=self.router is not None)
+        return result.groups
+
+    def load_metrics(self) -> dict[str, float]:
+        """Routing and per-server load since the last call (then reset): ``rollout/router_policy``
+        (:data:`ROUTING_POLICY_CODE`), ``rollout/server_load/<k>`` (mean requests in flight on
+        server k while generating; sampled from the router's counters under sglang-router),
+        ``rollout/server_samples/<k>`` (direct fan-out), ``rollout/load_imbalance`` (busiest server's
+        load over the mean), ``rollout/requeued`` (requests re-sent after their server failed)."""
+        r = self.cfg.rollout
+        policy = r.router_policy if self.router is not None else "least_outstanding"
+        return {"rollout/router_policy": ROUTING_POLICY_CODE[policy], **self._load.take()}
+
+    async def _drop_dead_from_router(self) -> None:
+        """Take servers whose process died out of the router's rotation right away (its own health
+        checks would take seconds, retrying requests on them meanwhile)."""
+        assert self.router is not None
+        for i in self.dead_servers():
+            url = self.servers[i].url
+            if url in self._routed:
+                self._routed.discard(url)
+                await asyncio.to_thread(self.router.remove_worker, url)
+
+    def _sync_router(self) -> None:
+        """After a weight sync every server holds the current weights: put the ones the router does
+        not route to (restarted servers) back in, and drop dead ones."""
+        if self.router is None:
+            return
+        if not self.router.alive():
+            self._restart_router()
+            return
+        for url in set(self._routed) - set(self.urls):
+            self.router.remove_worker(url)
+            self._routed.discard(url)
+        for url in self.urls:
+            if url not in self._routed:
+                self.router.add_worker(url)
+                self._routed.add(url)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -334,6 +432,8 @@ class RolloutServers:
     ) -> dict[str, float]:
         """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).
         ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and stress)."""
+        if self.dead_servers():  # a server died while generating (its groups went elsewhere)
+            self.restart()
         assert self.synchronizer is not None
         served = self.synchronizer.manifest.tensors
 
@@ -358,6 +458,7 @@ class RolloutServers:
                 quantize_router=r.fp8_quantize_router,
             )
         report = self.synchronizer.sync(stream, version, quantize=quantize)
+        self._sync_router()  # restarted servers hold the current weights now: route to them again
         return {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
@@ -373,7 +474,12 @@ class RolloutServers:
         return [i for i, s in enumerate(self.servers) if not s.alive()]
 
     def restart(self) -> None:
-        """Restart dead local servers and reconnect the update group (weights must be re-sent)."""
+        """Restart dead local servers and reconnect the update group (weights must be re-sent); a
+        router that died while every server lives is started again alone."""
+        if self.router is not None and not self.router.alive() and not self.dead_servers():
+            self._restart_router()
+            self.restarts += 1
+            return
         if not self.servers:
             raise ServerGoneError(
                 f"an external SGLang server ({', '.join(self.urls)}) is gone (launch scripts own those)"
@@ -384,14 +490,24 @@ class RolloutServers:
             except Exception:  # noqa: BLE001 - the peer is gone; the group is torn down either way
                 pass
         for i in self.dead_servers() or range(len(self.servers)):
+            old = self.servers[i].url
+            if self.router is not None and old in self._routed:
+                if self.router.alive():  # a dead router is started afresh at the next sync
+                    self.router.remove_worker(old)  # back in after the next weight sync
+                self._routed.discard(old)
+            self._load.index.pop(old, None)
             self.servers[i].stop()
             self.servers[i] = self._server(i)
             self.servers[i].start()
+            self._load.index[self.servers[i].url] = i
         self.urls = [s.url for s in self.servers]
         self.restarts += 1
         self._connect()
 
     def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
         if self.synchronizer is not None:
             try:
                 self.synchronizer.close()
@@ -401,3 +517,42 @@ class RolloutServers:
         for s in self.servers:
             s.stop()
         self.servers = []
+
+
+class _LoadTally:
+    """Per-server load of the fan-outs since the last :meth:`take` (``index``: URL -> server k)."""
+
+    def __init__(self, index: dict[str, int]):
+        self.index = index
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seconds = 0.0
+        self.load_s: dict[int, float] = {}
+        self.samples: dict[int, float] = {}
+        self.requeued = 0
+
+    def add(self, result: FanOutResult, router_loads: dict[str, float], routed: bool) -> None:
+        self.seconds += result.seconds
+        self.requeued += result.requeued
+        if routed:  # through the router: its sampled per-worker counts (0 where none was seen)
+            for url, k in self.index.items():
+                self.load_s[k] = self.load_s.get(k, 0.0) + router_loads.get(url, 0.0) * result.seconds
+            return
+        for st in result.stats:
+            k = self.index.get(st.url)
+            if k is not None:
+                self.load_s[k] = self.load_s.get(k, 0.0) + st.load_s
+                self.samples[k] = self.samples.get(k, 0.0) + st.samples
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.seconds > 0 and self.load_s:
+            loads = {k: v / self.seconds for k, v in sorted(self.load_s.items())}
+            out.update({f"rollout/server_load/{k}": v for k, v in loads.items()})
+            mean = sum(loads.values()) / len(loads)
+            out["rollout/load_imbalance"] = max(loads.values()) / mean if mean > 0 else 1.0
+        out.update({f"rollout/server_samples/{k}": v for k, v in sorted(self.samples.items())})
+        out["rollout/requeued"] = float(self.requeued)
+        self._clear()
+        return out

@@ -25,11 +25,20 @@ Errors: connection failures are retried with exponential backoff; after ``retrie
 answer raises :class:`SGLangHTTPError` with the server's message. A call that must not run twice (a
 weight update) is retried only if it never reached the server.
 
-Transport: ``/generate`` goes through httpx; the short JSON control calls (pause, continue, the
-weight-update endpoints) through the client's own keep-alive connections
+Transport: ``/generate`` goes through aiohttp (a keep-alive pool of ``max_concurrency``
+connections, bodies encoded and decoded with orjson); the short JSON control calls (pause,
+continue, the weight-update endpoints) through the client's own keep-alive connections
 (:class:`~sglang_bridge.transport.ControlConnections`), ~1 ms cheaper per call, which a weight sync
-makes eight of in a row. The request and answer types are in :mod:`sglang_bridge.samples`, the
-error types and the control connections in :mod:`sglang_bridge.transport`; both are re-exported here.
+makes eight of in a row. The client must never be the bottleneck of a rollout: on a CPU machine
+its CPU time is taken from the servers', so what it does per request is kept to one encode, one
+decode and one pass over the log-probs (``benchmarks/rollout_client.py`` measures it against a
+bare aiohttp client). The request and answer types are in :mod:`sglang_bridge.samples`, the error
+types and the control connections in :mod:`sglang_bridge.transport`; both are re-exported here.
+
+Groups: :meth:`SGLangClient.generate_group` asks for a prompt's ``n`` samples in one request
+(SGLang's ``n``): the server computes the prompt's prefix once and decodes the n samples as one
+batch. The same request goes through sglang-router, which takes a single sampling-params object,
+not the per-sample lists of :meth:`SGLangClient.generate_batch`.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
-import httpx
+import aiohttp
+import orjson
 from tqdm.auto import tqdm
 
 from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
@@ -59,14 +69,25 @@ _R = TypeVar("_R")
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-_CONN_ERRORS = (
-    httpx.ConnectError,
-    httpx.ConnectTimeout,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.WriteError,
-    httpx.PoolTimeout,
-)
+KEEPALIVE_S = 4.0
+"""An idle /generate connection is reused only this long: uvicorn closes idle ones after 5 s, and a
+request written into a connection the server is closing reads as a server dropping it."""
+
+
+class _Answer:
+    """A response: status and body (the aiohttp response is released before it is used)."""
+
+    __slots__ = ("status", "body")
+
+    def __init__(self, status: int, body: bytes):
+        self.status, self.body = status, body
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
 
 
 class SGLangClient:
@@ -97,18 +118,14 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.original_logprobs = original_logprobs
         self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
         headers = auth_headers(api_key)
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(
-                max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency
-            ),
-        )
+        self._headers = {**headers, "Content-Type": "application/json"}
+        self._http: aiohttp.ClientSession | None = None  # made on first use, inside the event loop
         self._rid = itertools.count()
         # Control calls over plain keep-alive connections (see ControlConnections); https servers
-        # (behind a proxy) keep using httpx for them.
+        # (behind a proxy) go through aiohttp for them too.
         self._control = ControlConnections(self.url, headers) if self.url.startswith("http://") else None
 
     async def __aenter__(self) -> SGLangClient:
@@ -120,7 +137,20 @@ class SGLangClient:
     async def aclose(self) -> None:
         if self._control is not None:
             await self._control.aclose()
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5.0),
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency + 8, keepalive_timeout=KEEPALIVE_S),
+                json_serialize=lambda o: orjson.dumps(o).decode(),
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._http
 
     # -- transport ------------------------------------------------------------------------
     async def _request(
@@ -131,24 +161,23 @@ class SGLangClient:
         *,
         retry_after_send: bool = True,
         timeout_s: float | None = None,
-    ) -> httpx.Response:
-        """Send through httpx with :meth:`_retrying`'s retries and errors."""
+    ) -> _Answer:
+        """Send through aiohttp with :meth:`_retrying`'s retries and errors."""
+        data = orjson.dumps(body) if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0) if timeout_s is not None else None
 
-        async def send() -> tuple[int, httpx.Response]:
+        async def send() -> tuple[int, _Answer]:
             try:
-                r = await self._http.request(
-                    method,
-                    self.url + path,
-                    json=body,
-                    timeout=timeout_s if timeout_s is not None else httpx.USE_CLIENT_DEFAULT,
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                raise ConnectionError(f"{type(e).__name__}: {e}") from e
-            except _CONN_ERRORS as e:
+                async with self._session().request(
+                    method, self.url + path, data=data, **({"timeout": timeout} if timeout else {})
+                ) as r:
+                    return r.status, _Answer(r.status, await r.read())
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                raise ConnectionError(f"{type(e).__name__}: {e}") from e  # nothing was sent
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                if isinstance(e, asyncio.TimeoutError):  # a read timeout, after the request was sent
+                    raise TimeoutError(str(e)) from e
                 raise RequestDropped(f"{type(e).__name__}: {e}") from e
-            except httpx.TimeoutException as e:
-                raise TimeoutError(str(e)) from e
-            return r.status_code, r
 
         return await self._retrying(path, send, retry_after_send, lambda r: r.text)
 
@@ -195,7 +224,7 @@ class SGLangClient:
         self, path: str, body: dict[str, Any] | None = None, *, retry_after_send: bool = True
     ) -> Any:
         """A control call: POST a JSON body, return the decoded JSON answer (or its text), over
-        :class:`ControlConnections` (httpx for an https server)."""
+        :class:`ControlConnections` (aiohttp for an https server)."""
         if self._control is None:
             text = (await self._request("POST", path, body or {}, retry_after_send=retry_after_send)).text
         else:
@@ -294,6 +323,36 @@ class SGLangClient:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"batch of {len(flat)} answered with {got}")
         return [self._sample(p, o, sp) for p, o, sp in zip(flat, outs, params, strict=True)]
+
+    async def generate_group(
+        self, prompt_ids: Sequence[int], params: SamplingParams, n: int, rid: str | None = None
+    ) -> list[Sample]:
+        """``n`` samples of one prompt in one ``/generate`` request (SGLang's ``n``): the prompt's
+        prefix is computed once and the samples decode together, on one server (also through
+        sglang-router, which routes the request as a whole).
+
+        With ``params.seed`` set and ``n > 1`` the samples go as ``n`` requests seeded
+        ``seed, seed + 1, ...`` instead (one seed for the whole request would repeat one sample).
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if params.seed is not None and n > 1:
+            return list(
+                await asyncio.gather(
+                    *(self.generate_one(prompt_ids, replace(params, seed=params.seed + j)) for j in range(n))
+                )
+            )
+        if n == 1:
+            return [await self.generate_one(prompt_ids, params, rid)]
+        prompt = [int(t) for t in prompt_ids]
+        body = self._body(prompt, params, rid)
+        body["sampling_params"]["n"] = n
+        async with self._sem:
+            outs = (await self._request("POST", "/generate", body)).json()
+        if not isinstance(outs, list) or len(outs) != n:
+            got = len(outs) if isinstance(outs, list) else type(outs).__name__
+            raise SGLangHTTPError(self.url, "/generate", 200, f"group of n={n} answered with {got}")
+        return [self._sample(prompt, o, params) for o in outs]
 
     async def generate(
         self,

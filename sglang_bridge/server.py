@@ -183,7 +183,7 @@ def _message(urls: Sequence[str], failed: dict[str, str], what: str, log_hint: s
 # Process-wide registry of live servers, for atexit clean-up and the entry point's signal handler.
 # ---------------------------------------------------------------------------------------------
 
-_LIVE: set[SGLangServer] = set()
+_LIVE: set[Any] = set()  # SGLangServer, SGLangRouter: anything with stop()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -194,6 +194,19 @@ def stop_all_servers() -> None:
     for s in servers:
         with contextlib.suppress(Exception):
             s.stop()
+
+
+def register_child(child: Any) -> None:
+    """Put another child process owner (anything with ``stop()``, e.g. the router) in the registry
+    :func:`stop_all_servers` and ``atexit`` stop."""
+    _stop_all_at_exit()
+    with _LIVE_LOCK:
+        _LIVE.add(child)
+
+
+def unregister_child(child: Any) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(child)
 
 
 @functools.cache
@@ -517,6 +530,8 @@ __all__ = [
     "answers_anonymous",
     "free_port",
     "probe",
+    "register_child",
     "stop_all_servers",
+    "unregister_child",
     "wait_for_servers",
 ]

@@ -51,7 +51,7 @@ class ControlConnections:
     these 2-core machines; the event-loop hand-off is 0.08 ms of that). The difference is the
     client's own per-request machinery, about 1 ms of every link of the chain. This speaks just the
     HTTP/1.1 those calls need: a JSON body out; a Content-Length, chunked or read-to-close body back.
-    ``/generate`` stays on httpx.
+    ``/generate`` goes through aiohttp (:mod:`sglang_bridge.client`).
 
     One request per connection at a time; a second concurrent call (the next bucket's request while
     the previous one is loading) opens or reuses another. An idle connection is reused only within

@@ -51,6 +51,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "moe": _MOE,
     # ... plus a shared expert (Megatron-only semantics: HF Qwen3-MoE has none).
     "moe_shared": dict(_MOE, moe_shared_expert_ffn_hidden_size=32),
+    # ... without the aux loss, which Megatron computes per micro-batch (over its padding too), so it
+    # changes with the micro-batch cut by definition; the RL loss does not.
+    "moe_noaux": dict(_MOE, moe_aux_loss_coeff=0.0),
 }
 HF_PARITY = ("qwen2", "qwen3", "moe")
 
@@ -72,11 +75,14 @@ def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
         for k, v in layout.items()
         if k in ("tp", "pp", "vpp", "ep", "sequence_parallel", "distributed_optimizer")
     }
+    budgets = {  # token-budget micro-batches (the layout's "budget" / "logprob_budget")
+        key: layout[short] for short, key in _BUDGETS.items() if layout.get(short) is not None
+    }
     return config_from_dict(
         {
             "model": model,
             "parallel": parallel,
-            "rollout": {"temperature": 0.8, "max_new_tokens": 12},
+            "rollout": {"temperature": 0.8, "max_new_tokens": 12, "max_prompt_len": 8},
             # First Adam step with eps >> |g|: update = -lr * g / (|g| + eps) ~= -g, a strictly monotone
             # function of the gradient (and the distributed optimizer supports only Adam). No clipping.
             "training": {
@@ -87,20 +93,30 @@ def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
                 "micro_batch_size": MBS,
                 "logprob_chunk_size": 5,
                 "seed": SEED,
+                **budgets,
             },
-            "algorithm": {"entropy_coef": 0.01, "kl_coef": 0.05 if kind == "qwen3" else 0.0},
+            "algorithm": {
+                "entropy_coef": 0.01,
+                "kl_coef": 0.05 if kind == "qwen3" else 0.0,
+                "loss_agg": layout.get("agg", "seq-mean-token-mean"),
+            },
             "correction": {"method": "acrl", "gamma": 0.65},
         }
     )
 
 
-def make_batch(vocab: int) -> dict[str, torch.Tensor]:
+_BUDGETS = {"budget": "max_tokens_per_microbatch", "logprob_budget": "max_tokens_per_logprob_microbatch"}
+VARLEN_ENDS = (16, 5, 9, 16, 6, 12, 7, 14)
+"""Sequence ends of the long-tailed batch (``varlen``) the token-budget layouts are tested on."""
+
+
+def make_batch(vocab: int, varlen: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(1, vocab, (N_SEQ, SEQ_LEN), generator=g)
     mask = torch.zeros(N_SEQ, SEQ_LEN)
     for i in range(N_SEQ):
         prompt = 3 + i % 3
-        end = SEQ_LEN - (i % 4)  # right padding of 0..3 tokens
+        end = VARLEN_ENDS[i] if varlen else SEQ_LEN - (i % 4)  # right padding of 0..3 tokens
         mask[i, prompt:end] = 1
         tokens[i, end:] = 0
     adv = torch.randn(N_SEQ, 1, generator=g).expand(-1, SEQ_LEN) * mask
@@ -137,7 +153,7 @@ def run_case(
     out: dict[str, Any] = {}
     if init is None:
         out["init"] = {k: v.detach().clone() for k, v in trainer.hf_weights(all_stages=True)}
-    batch = make_batch(cfg.model.vocab_size)
+    batch = make_batch(cfg.model.vocab_size, varlen=layout.get("varlen", False))
     mask = batch["loss_mask"]
     if hf_dir is not None:  # the same (initial) weights in HF transformers give the same log-probs
         trainer.save_hf(hf_dir)
@@ -191,7 +207,7 @@ def run_critic_case(
         out["init"] = {k: v.detach().clone() for k, v in critic.hf_weights(all_stages=True)}
     else:
         critic.load_hf(init)
-    batch = make_batch(cfg.model.vocab_size)
+    batch = make_batch(cfg.model.vocab_size, varlen=layout.get("varlen", False))
     mask = batch["loss_mask"]
     values = critic.forward_values(batch)["values"]
     g = torch.Generator().manual_seed(9)
@@ -246,6 +262,9 @@ def scenario_reference(args: dict[str, Any]) -> dict[str, Any]:
         out[kind] = run_case(kind, {}, None, hf_dir=hf_dir)
     for kind in args.get("critic_kinds", []):
         out[f"critic_{kind}"] = run_critic_case(kind, {}, None)
+    for name, ref in args.get("varlen", {}).items():  # fixed micro-batches on the long-tailed batch
+        run = run_critic_case if ref.get("critic") else run_case
+        out[name] = run(ref["kind"], dict(varlen=True, agg=ref.get("agg", "seq-mean-token-mean")), None)
     return out
 
 
@@ -257,7 +276,7 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
             results[case["name"]] = run_critic_case(
                 case["kind"],
                 case["layout"],
-                ref[f"critic_{case['kind']}"]["init"],
+                ref[case.get("ref", f"critic_{case['kind']}")]["init"],
                 negative=case.get("negative", False),
                 checkpoint_dir=case.get("checkpoint_dir"),
             )
@@ -265,7 +284,7 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
         res = run_case(
             case["kind"],
             case["layout"],
-            ref[case["kind"]]["init"],
+            ref[case.get("ref", case["kind"])]["init"],
             negative=case.get("negative", False),
             checkpoint_dir=case.get("checkpoint_dir"),
             bf16=case.get("bf16", False),

@@ -108,6 +108,41 @@ def test_bad_choice_suggests_valid_one():
             "rollout.server_cpus",
             "started (and bound) elsewhere",
         ),
+        # issue 22: routing and token-budget micro-batches
+        (["rollout.router=sglang", "rollout.backend=replay"], "rollout.router", "set rollout.router=none"),
+        (
+            ["rollout.router=sglang", "rollout.router_policy=manual"],
+            "rollout.router_policy",
+            "'power_of_two'",
+        ),
+        (["rollout.router=nginx"], "rollout.router", "'sglang'"),
+        (["rollout.router_port=70000"], "rollout.router_port", "valid TCP port"),
+        (["training.max_tokens_per_microbatch=0"], "training.max_tokens_per_microbatch", ">= 1"),
+        (
+            ["training.max_tokens_per_microbatch=70"],  # max_prompt_len 64 + max_new_tokens 16 = 80
+            "training.max_tokens_per_microbatch",
+            "raise it to at least 80",
+        ),
+        (
+            ["training.max_tokens_per_logprob_microbatch=79"],
+            "training.max_tokens_per_logprob_microbatch",
+            "longest possible sequence",
+        ),
+        (
+            [
+                "training.max_tokens_per_microbatch=80",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "rollout.max_new_tokens=17",
+            ],
+            "training.max_tokens_per_microbatch",
+            "multiple of tp=2 under sequence parallelism = 82",
+        ),
+        (
+            ["training.max_tokens_per_microbatch=256", "parallel.pp=2", "parallel.vpp=2"],
+            "training.max_tokens_per_microbatch",
+            "not supported with virtual pipelining",
+        ),
     ],
 )
 def test_out_of_range_values(override, key, words):
@@ -227,3 +262,23 @@ def test_fp8_mode_is_honoured_per_device(tmp_path):
         RolloutServers(trainer_eval, tmp_path / "m", tmp_path)
     with pytest.raises(ConfigError, match="training.eval_samples"):
         load_config(tiny, ["training.eval_samples=-1"])
+
+
+def test_router_policies_are_the_ones_sglang_router_knows():
+    """``rollout.router_policy`` offers exactly the bridge's policies, each known to sglang-router."""
+    from typing import get_args
+
+    from megatron_acrl.config import RouterPolicy
+    from sglang_bridge.router import POLICIES
+
+    assert set(get_args(RouterPolicy)) == set(POLICIES)
+
+
+def test_logprob_budget_defaults_to_the_training_budget():
+    t = load_config(None, ["training.max_tokens_per_microbatch=256"]).training
+    assert t.logprob_token_budget == 256
+    t = load_config(
+        None, ["training.max_tokens_per_microbatch=256", "training.max_tokens_per_logprob_microbatch=512"]
+    )
+    assert t.training.logprob_token_budget == 512
+    assert load_config(None, []).training.logprob_token_budget is None

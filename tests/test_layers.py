@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("launch", "megatron_acrl", "sglang_bridge", "ckernels")
-PURE = ("correction", "losses", "advantages", "tasks", "batch", "staleness")
+PURE = ("correction", "losses", "advantages", "tasks", "batch", "staleness", "microbatch")
 PLANT = "\n\ndef _planted():\n    from megatron_acrl import train\n\n    return train\n"
 
 

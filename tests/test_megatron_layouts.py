@@ -43,6 +43,56 @@ CASES = [
     # bf16 (Float16Module, bf16 logits into the fused log-prob): close to fp32, not equal
     dict(name="qwen2_bf16_tp2_pp2", kind="qwen2", layout=dict(tp=2, pp=2), bf16=True),
 ]
+# Token-budget micro-batches (training.max_tokens_per_microbatch) on a long-tailed batch, against
+# the single-rank fixed-micro-batch run on the same batch: every aggregation, TP/PP/DP/EP/SP, the
+# KL reference model, the critic. Budgets of 36-40 tokens cut the 8 sequences (5..16 tokens) into 1-3
+# micro-batches of different shapes per rank (variable sequence lengths under PP).
+VARLEN_REFS = {
+    f"varlen_{kind}_{agg}": dict(kind=kind, agg=agg)
+    for kind, agg in (
+        ("qwen2", "token-mean"),
+        ("qwen2", "seq-mean-token-mean"),
+        ("qwen2", "seq-mean-token-sum-norm"),
+        ("qwen3", "token-mean"),
+        ("moe_noaux", "seq-mean-token-mean"),
+    )
+}
+VARLEN_REFS["varlen_critic_qwen2"] = dict(kind="qwen2", critic=True)
+
+
+def _budget(name: str, ref: str, budget: int, **layout: object) -> dict:
+    spec = VARLEN_REFS[ref]
+    layout = dict(layout, varlen=True, budget=budget, agg=spec.get("agg", "seq-mean-token-mean"))
+    return dict(name=name, kind=spec["kind"], layout=layout, ref=ref, critic=spec.get("critic", False))
+
+
+BUDGET_CASES = [
+    _budget("budget_qwen2_dp4_tokmean", "varlen_qwen2_token-mean", 40),
+    _budget(
+        "budget_qwen2_tp2_pp2_seqmean", "varlen_qwen2_seq-mean-token-mean", 40, tp=2, pp=2, logprob_budget=64
+    ),
+    _budget("budget_qwen2_pp2_dp2_sumnorm", "varlen_qwen2_seq-mean-token-sum-norm", 36, pp=2),
+    _budget(
+        "budget_qwen2_tp2_sp_dp2_seqmean",
+        "varlen_qwen2_seq-mean-token-mean",
+        36,
+        tp=2,
+        sequence_parallel=True,
+    ),
+    _budget(
+        "budget_qwen3_kl_tp2_dp2_tokmean", "varlen_qwen3_token-mean", 40, tp=2, distributed_optimizer=True
+    ),
+    _budget("budget_moe_ep2_dp4", "varlen_moe_noaux_seq-mean-token-mean", 40, ep=2),
+    _budget(
+        "budget_moe_tp2_sp_pp2",
+        "varlen_moe_noaux_seq-mean-token-mean",
+        40,
+        tp=2,
+        pp=2,
+        sequence_parallel=True,
+    ),
+    _budget("budget_critic_qwen2_pp2_dp2", "varlen_critic_qwen2", 36, pp=2),
+]
 STRICT = [c["name"] for c in CASES if not c.get("bf16")]
 # The PPO critic (value head instead of the vocab projection), in the same two launches.
 CRITIC_KINDS = ["qwen2", "moe"]
@@ -71,10 +121,13 @@ for _c in CRITIC_CASES:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     reference = launch(
-        "reference", 1, {"kinds": KINDS, "critic_kinds": CRITIC_KINDS, "tmp": str(tmp)}, timeout=600
+        "reference",
+        1,
+        {"kinds": KINDS, "critic_kinds": CRITIC_KINDS, "varlen": VARLEN_REFS, "tmp": str(tmp)},
+        timeout=900,
     )[0]
     torch.save(reference, tmp / "reference.pt")
-    cases = [dict(c) for c in CASES + CRITIC_CASES]
+    cases = [dict(c) for c in CASES + CRITIC_CASES + BUDGET_CASES]
     cases[0]["checkpoint_dir"] = str(tmp / "ckpt")
     cases[len(CASES)]["checkpoint_dir"] = str(tmp / "ckpt_critic")
     ranks = launch("layouts", 4, {"reference": str(tmp / "reference.pt"), "cases": cases}, timeout=1500)
@@ -85,6 +138,8 @@ def _compare(ref: dict, got: dict) -> list[str]:
     """Everything that differs beyond fp32 rounding (empty list = match)."""
     bad = []
     for key, value in ref["metrics"].items():
+        if key.startswith("perf/") or key.startswith("critic/perf/"):  # how it was cut, not what
+            continue
         other = got["metrics"].get(key)
         if other is None:
             bad.append(f"metric {key} missing")
@@ -205,3 +260,20 @@ def test_critic_checkpoint_resume_reproduces_next_step(results):
         assert set(m2) == set(m2_again)
         for key, value in m2.items():
             assert math.isclose(value, m2_again[key], rel_tol=1e-6, abs_tol=1e-9), key
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in BUDGET_CASES])
+def test_budget_micro_batches_match_fixed_single_rank(results, case):
+    """Token-budget micro-batches give the loss, metrics, forward-only outputs and every updated
+    parameter of fixed micro-batches on one rank, under every layout and aggregation."""
+    reference, ranks = results
+    spec = next(c for c in BUDGET_CASES if c["name"] == case)
+    ref = reference[spec["ref"]]
+    for rank, res in enumerate(ranks):
+        bad = _compare(ref, res[case])
+        assert not bad, f"rank {rank}: " + "; ".join(bad[:8])
+        perf = {k.removeprefix("critic/"): v for k, v in res[case]["metrics"].items() if "perf/" in k}
+        fixed = {k.removeprefix("critic/"): v for k, v in ref["metrics"].items() if "perf/" in k}
+        # less padding than fixed micro-batches (5..16-token sequences all padded to 16 there)
+        assert perf["perf/padding_fraction"] < fixed["perf/padding_fraction"], (perf, fixed)
+        assert perf["perf/dp_token_imbalance"] < 1.35, perf

@@ -2,9 +2,10 @@
 
 Process groups are read once (``ProcessGroupCollection.use_mpu_process_groups()``) after
 :func:`initialize_parallel` and passed explicitly to the model, DDP, the optimizer, the schedule and
-our own collectives. Every rank holds the whole batch (the driver broadcasts it); each data-parallel
-rank trains on its contiguous slice of sequences, so the global loss denominators are known locally
-without a collective.
+our own collectives. Every rank holds the whole batch (the driver broadcasts it) and computes the
+same micro-batch plan from it (``megatron_acrl.microbatch``: fixed micro_batch_size slices, or
+token-budget micro-batches with balanced tokens per data-parallel rank), so the global loss
+denominators are known locally without a collective.
 
 Rank roles:
   * the last pipeline stage computes the loss (the subclass's loss adapter) and the forward-only
@@ -43,6 +44,7 @@ from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io
 from megatron_acrl.megatron.collectives import all_reduce_partials
 from megatron_acrl.megatron.model import build_model_chunks, padded_vocab_size, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import RoutingReplay
+from megatron_acrl.microbatch import MicroBatchPlan, budget_plan, fixed_plan, row_lengths
 
 __all__ = ["ModelTrainer", "initialize_parallel"]
 
@@ -73,7 +75,7 @@ class ModelTrainer:
     policy) and ``Critic`` (the PPO value model).
 
     Holds the DDP-wrapped chunks of this rank, the Megatron optimizer and LR schedule, and the
-    pieces both models drive the same way: micro-batching of this DP rank's slice, the pipeline
+    pieces both models drive the same way: micro-batching (:meth:`micro_batch_plan`), the pipeline
     schedule, the forward-only gather (last stage -> every rank), one optimizer step with reduced
     metrics, HF weights in and out (``hf_io``) and distributed checkpoints (``checkpoint``).
 
@@ -122,6 +124,11 @@ class ModelTrainer:
             # 1/dp pre-scaling (not an AVG collective, which gloo lacks); the adapter undoes it.
             average_in_collective=False,
         )
+        t = cfg.training
+        if self.pp_size > 1 and (t.max_tokens_per_microbatch or t.logprob_token_budget):
+            # Token-budget micro-batches differ in shape: the pipeline stages exchange each
+            # activation's shape before the activation (Megatron's p2p shape handshake).
+            self.config.variable_seq_lengths = True
         self.model = self._wrap_ddp(self._build_chunks())
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler(total_steps)
@@ -195,37 +202,57 @@ class ModelTrainer:
         mult = self._seq_multiple()
         return -(-length // mult) * mult
 
-    def _micro_batches(self, batch: Mapping[str, torch.Tensor], keys: tuple[str, ...]) -> list[dict]:
-        """This DP rank's contiguous slice of ``batch`` (``[N, L]`` tensors, ``[N, L, layers, k]``
-        routing), cut into micro-batches of ``[micro_batch_size, L']`` with L right-padded to
-        ``L'`` = :meth:`_padded_len`, plus ``position_ids [b, L']``."""
+    def micro_batch_plan(
+        self, batch: Mapping[str, torch.Tensor], *, forward_only: bool = False
+    ) -> MicroBatchPlan:
+        """How ``batch`` (``tokens [N, L]``, optionally ``loss_mask [N, L]``) is cut on every DP rank:
+        by the token budget (``training.max_tokens_per_microbatch``, or for a forward-only pass
+        ``logprob_token_budget``) or, without one, into ``micro_batch_size`` contiguous sequences
+        padded to L. The same on every rank (a pure function of the batch)."""
         n, length = batch["tokens"].shape
-        mbs = self.cfg.training.micro_batch_size
-        if n % (self.dp_size * mbs):
-            raise ValueError(
-                f"batch of {n} sequences cannot be split into dp={self.dp_size} x micro_batch_size={mbs} "
-                f"micro-batches; use a multiple of {self.dp_size * mbs}"
+        t = self.cfg.training
+        budget = t.logprob_token_budget if forward_only else t.max_tokens_per_microbatch
+        if budget is None:
+            return fixed_plan(
+                row_lengths(batch.get("loss_mask"), n, length),
+                dp=self.dp_size,
+                micro_batch_size=t.micro_batch_size,
+                width=self._padded_len(length),
             )
-        per_rank = n // self.dp_size
-        lo = self.dp_rank * per_rank
-        padded = self._padded_len(length)
+        lengths = row_lengths(batch.get("loss_mask"), n, length)
+        return budget_plan(
+            lengths,
+            dp=self.dp_size,
+            budget=budget,
+            multiple=self._seq_multiple(),
+            # Megatron's interleaved schedule runs micro-batches in groups of pp.
+            count_multiple=self.pp_size if self.cfg.parallel.vpp else 1,
+        )
+
+    def _micro_batches(
+        self, batch: Mapping[str, torch.Tensor], keys: tuple[str, ...], *, forward_only: bool = False
+    ) -> tuple[list[dict], MicroBatchPlan]:
+        """This DP rank's micro-batches of ``batch`` (``[N, L]`` tensors, ``[N, L, layers, k]``
+        routing) under :meth:`micro_batch_plan`: each ``[b, L']`` with its rows cut or right-padded to
+        its own length ``L'``, plus ``position_ids [b, L']``; and the plan."""
+        plan = self.micro_batch_plan(batch, forward_only=forward_only)
+        length = batch["tokens"].shape[1]
         micro = []
-        for start in range(lo, lo + per_rank, mbs):
+        for m in plan.ranks[self.dp_rank]:
+            rows = torch.tensor(m.rows, dtype=torch.long)
             mb = {}
             for k in keys:
                 if k not in batch:
                     continue
-                v = batch[k][start : start + mbs]
-                if padded != length and v.dim() > 2:  # [b, L, layers, k] routing: -1 = unknown
-                    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, padded - length), value=-1)
-                elif padded != length:  # pad tokens/masks/log-probs with zeros: masked, never scored
-                    v = torch.nn.functional.pad(v, (0, padded - length))
+                v = batch[k].index_select(0, rows)[:, : m.length]
+                if m.length > length and v.dim() > 2:  # [b, L, layers, k] routing: -1 = unknown
+                    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, m.length - length), value=-1)
+                elif m.length > length:  # pad tokens/masks/log-probs with zeros: masked, never scored
+                    v = torch.nn.functional.pad(v, (0, m.length - length))
                 mb[k] = v.contiguous()
-            mb["position_ids"] = (
-                torch.arange(padded).unsqueeze(0).expand(mb["tokens"].shape[0], -1).contiguous()
-            )
+            mb["position_ids"] = torch.arange(m.length).unsqueeze(0).expand(len(m.rows), -1).contiguous()
             micro.append(mb)
-        return micro
+        return micro, plan
 
     def _run_schedule(
         self,
@@ -291,17 +318,21 @@ class ModelTrainer:
         slices, so rank order is batch order), then broadcast over the pipeline group."""
         for chunk in model:
             chunk.eval()
-        micro = self._micro_batches(batch, ("tokens", "replay_experts"))
+        micro, plan = self._micro_batches(batch, ("tokens", "replay_experts"), forward_only=True)
         out = self._run_schedule(model, micro, collect_for, True, True)
-        length = batch["tokens"].shape[1]
+        n, length = batch["tokens"].shape
         result: dict[str, torch.Tensor] | None = None
         if self.is_last_stage:
             result = {}
             for k in keys:
-                v = torch.cat([o[k] for o in out], 0)[:, :length].contiguous()
-                parts = [torch.empty_like(v) for _ in range(self.dp_size)]
-                dist.all_gather(parts, v, group=self.pg.dp)
-                result[k] = torch.cat(parts, 0)
+                # Each row has one owner (a DP rank, a micro-batch): scatter into zeros, sum over DP.
+                full = torch.zeros(n, length, dtype=out[0][k].dtype)
+                for m, o in zip(plan.ranks[self.dp_rank], out, strict=True):
+                    cut = min(m.length, length)
+                    full[torch.tensor(m.rows, dtype=torch.long), :cut] = o[k][:, :cut]
+                if self.dp_size > 1:
+                    dist.all_reduce(full, group=self.pg.dp)
+                result[k] = full
         result = self._broadcast_from_last_stage(result)
         for chunk in self.model:
             chunk.train()

@@ -165,7 +165,7 @@ class Critic(ModelTrainer):
         if missing:
             raise KeyError(f"critic batch is missing {missing}")
         num_tokens = batch["loss_mask"].float().sum()
-        micro = self._micro_batches(batch, VALUE_KEYS)
+        micro, plan = self._micro_batches(batch, VALUE_KEYS)
         loss_func_for = partial(
             self.adapter.train_loss_func,
             num_tokens=num_tokens,
@@ -173,6 +173,7 @@ class Critic(ModelTrainer):
             dp_size=self.dp_size,
         )
         metrics = self._optimizer_step(micro, loss_func_for)
+        metrics.update(plan.metrics())
         return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
 
     # ----------------------------------------------------------------------------------------

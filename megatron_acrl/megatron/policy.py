@@ -63,6 +63,7 @@ class Policy(ModelTrainer):
         self.ref_model: list[torch.nn.Module] | None = None
         if a.kl_coef > 0:
             ref_config = transformer_config(cfg.model, cfg.parallel)
+            ref_config.variable_seq_lengths = self.config.variable_seq_lengths  # same micro-batches
             self.ref_model = build_model_chunks(cfg.model, cfg.parallel, ref_config, self.pg)
             for chunk in self.ref_model:
                 chunk.requires_grad_(False)
@@ -214,11 +215,11 @@ class Policy(ModelTrainer):
         """Keep the pi_old pass's observed routing (own choice, and what the routers used), assembled
         into ``[N, L, local MoE layers, k]``, for :meth:`routing_metrics`; under R2 also return it."""
         n, length = batch["tokens"].shape
+        plan = self.micro_batch_plan(batch, forward_only=True)  # the plan the pass just ran
         shape = dict(
             num_seqs=n,
             seq_len=length,
-            padded_len=self._padded_len(length),
-            micro_batch_size=self.cfg.training.micro_batch_size,
+            micro=[(m.rows, m.length) for m in plan.ranks[self.dp_rank]],
             dp_group=self.pg.dp,
         )
         self._own_routing = routing.assemble(observed, **shape)
@@ -287,7 +288,7 @@ class Policy(ModelTrainer):
         source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
         if source is not None:
             batch = dict(batch, replay_experts=source)
-        micro = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
+        micro, plan = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
         loss_func_for = partial(
             self.adapter.train_loss_func,
             acrl=signal,
@@ -305,6 +306,7 @@ class Policy(ModelTrainer):
                 self.routing.end()
         if self.controller is not None:
             metrics.update(self.controller.metrics())
+        metrics.update(plan.metrics())  # perf/padding_fraction, perf/microbatches, perf/dp_token_imbalance
         return metrics
 
     # ----------------------------------------------------------------------------------------

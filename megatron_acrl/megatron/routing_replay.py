@@ -240,34 +240,32 @@ class RoutingReplay:
         *,
         num_seqs: int,
         seq_len: int,
-        padded_len: int,
-        micro_batch_size: int,
+        micro: Sequence[tuple[Sequence[int], int]],
         dp_group: dist.ProcessGroup,
     ) -> Tensor:
         """This stage's observed routing of the whole batch: ``[N, L, local layers, k]`` int16.
 
-        Each rank observed its DP slice (contiguous sequences, micro-batches in order) and, under
-        sequence parallelism, its TP slice of positions; entries are stored as ``index + 1`` in a
-        zero tensor and summed over TP and DP (every entry has exactly one owner), so every rank of
-        the stage ends with the whole batch.
+        ``micro`` holds this rank's micro-batches in schedule order, each ``(batch rows, padded
+        length)`` (the trainer's micro-batch plan). Each rank observed its micro-batches and, under
+        sequence parallelism, its TP slice of their positions; entries are stored as ``index + 1`` in
+        a zero tensor and summed over TP and DP (every entry has exactly one owner), so every rank of
+        the stage ends with the whole batch. Positions no micro-batch ran (beyond a row's own length
+        under token-budget micro-batches) hold -1.
         """
-        dp_size, dp_rank = dp_group.size(), dp_group.rank()
         n_layers = len(self.routers)
         k = observed[0][0].shape[-1] if n_layers and observed[0] else 1
-        full = torch.zeros(num_seqs, padded_len, n_layers, k, dtype=torch.int32)
-        per_rank = num_seqs // dp_size
+        width = max([seq_len, *(length for _, length in micro)])
+        full = torch.zeros(num_seqs, width, n_layers, k, dtype=torch.int32)
         sp = self.sequence_parallel and self.tp_size > 1
-        s_local = padded_len // self.tp_size if sp else padded_len
-        p0 = self.tp_rank * s_local if sp else 0
         for li, per_mb in enumerate(observed):
-            for mi, own in enumerate(per_mb):
-                lo = dp_rank * per_rank + mi * micro_batch_size
-                b = own.shape[0] // s_local
-                x = own.reshape(s_local, b, k).transpose(0, 1).to(torch.int32) + 1  # [b, s_local, k]
-                full[lo : lo + b, p0 : p0 + s_local, li] = x
+            for (rows, length), own in zip(micro, per_mb, strict=True):
+                s_local = length // self.tp_size if sp else length
+                p0 = self.tp_rank * s_local if sp else 0
+                x = own.reshape(s_local, len(rows), k).transpose(0, 1).to(torch.int32) + 1  # [b, s_local, k]
+                full[torch.as_tensor(list(rows), dtype=torch.long), p0 : p0 + s_local, li] = x
         if sp:
             dist.all_reduce(full, group=self.tp_group)
-        if dp_size > 1:
+        if dp_group.size() > 1:
             dist.all_reduce(full, group=dp_group)
         return (full[:, :seq_len] - 1).to(torch.int16)
 
