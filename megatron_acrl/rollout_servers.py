@@ -7,7 +7,12 @@ the served model directory; multi-node launch scripts start servers on their own
 :class:`sglang_bridge.weight_sync.DistributedWeightSynchronizer`: FP8 is real (e4m3 + scales) on GPU
 servers and *fake-quant* (FP8 rounding served in bf16) on CPU servers, which cannot run FP8 kernels;
 the mode is reported in every update's ``sync/*`` metrics. The stress emulations (truncated or
-coarser e4m3, quantized routers) are applied here, before the synchronizer, which then sends bf16.
+coarser e4m3, quantized routers) are applied before the synchronizer (:func:`weights_for_servers`,
+on every source), which then sends bf16.
+
+With ``rollout.weight_sync: per_source`` every pipeline stage's and EP rank's source sends its own
+weights (:func:`open_weight_source`, :func:`push_from_source` on the other ranks); rank 0's
+synchronizer coordinates them over a control store it hosts (:attr:`RolloutServers.control`).
 
 A server that dies is restarted from the served model directory and the update group reconnected
 (:meth:`RolloutServers.restart`); the driver then re-sends the current weights and retries
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +34,20 @@ from megatron_acrl.config import Config, ConfigError
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
 from sglang_bridge.server import ServerSpec, SGLangServer, wait_for_servers
-from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
+from sglang_bridge.weight_sync import (
+    ControlStore,
+    DistributedWeightSynchronizer,
+    Manifest,
+    ManifestMismatchError,
+    StreamMismatchError,
+    WeightSource,
+    WeightSyncError,
+)
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
+SERVED_DTYPE = getattr(torch, ServerSpec.dtype)
+"""What the servers compute in (``--dtype``): floating weights are cast to it before they are sent."""
+Meta = list[tuple[str, tuple[int, ...], torch.dtype]]
 GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
 
 
@@ -133,6 +150,68 @@ async def generate_groups(
     return groups
 
 
+def sync_address(cfg: Config, single_node: bool) -> str:
+    """Where the servers reach this rank's weight-sync stores: ``rollout.weight_sync_address``, else
+    loopback when the whole job (trainer and servers) runs on one node, else this host's name."""
+    r = cfg.rollout
+    if r.weight_sync_address:
+        return r.weight_sync_address
+    return "127.0.0.1" if single_node and not r.server_urls else socket.getfqdn()
+
+
+def weights_for_servers(
+    cfg: Config, stream: Iterable[tuple[str, torch.Tensor]], *, quantize: bool
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """The trainer's HF tensors as the servers take them, on whichever rank sends them: cast to the
+    servers' dtype (the trainer may hold fp32 masters; explicit, per tensor: names and shapes are
+    still validated by the bridge), and the stress emulations applied (``quantize``)."""
+
+    def cast(items: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, t in items:
+            yield name, (t.to(SERVED_DTYPE) if t.is_floating_point() and t.dtype != SERVED_DTYPE else t)
+
+    out = cast(stream)
+    scheme = fp8_scheme(cfg)
+    if scheme is not None and cfg.rollout.stress_quantization and quantize:
+        r = cfg.rollout
+        out = fake_quantize_named_stress(
+            out, scheme, r.fp8_rounding, r.fp8_mantissa_bits, quantize_router=r.fp8_quantize_router
+        )
+    return out
+
+
+def meta_for_servers(meta: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> Meta:
+    """:func:`weights_for_servers`'s output metadata for a stream of ``meta``."""
+    return [
+        (n, tuple(s), SERVED_DTYPE if d.is_floating_point and d != SERVED_DTYPE else d) for n, s, d in meta
+    ]
+
+
+def open_weight_source(
+    cfg: Config, control_address: tuple[str, int], index: int, label: str, address: str
+) -> WeightSource:
+    """A non-zero rank's weight-sync source (``index`` of ``cfg.weight_sync_sources``), on rank 0's
+    control store; it joins the update group at its first sync."""
+    r = cfg.rollout
+    control = ControlStore.join(*control_address, timeout_s=r.request_timeout_s)
+    port = r.weight_sync_port + 1 + index if r.weight_sync_port else None
+    device = "cuda" if resolve_device(cfg) == "cuda" else "cpu"
+    return WeightSource(control, index, label=label, address=address, port=port, device=device)
+
+
+def push_from_source(
+    cfg: Config,
+    source: WeightSource,
+    stream: Iterable[tuple[str, torch.Tensor]],
+    meta: Meta,
+    *,
+    quantize: bool,
+) -> dict[str, float]:
+    """This rank's part of rank 0's update: its own weights, to every server."""
+    report = source.sync(weights_for_servers(cfg, stream, quantize=quantize), meta_for_servers(meta))
+    return {"sync/source_bytes": float(report.num_bytes)}
+
+
 class RolloutServers:
     """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0.
 
@@ -143,7 +222,15 @@ class RolloutServers:
         log_dir: where server logs go.
     """
 
-    def __init__(self, cfg: Config, model_dir: str | Path, log_dir: str | Path):
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: str | Path,
+        log_dir: str | Path,
+        *,
+        source_label: str = "",
+        single_node: bool = True,
+    ):
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.log_dir = Path(log_dir)
@@ -172,6 +259,13 @@ class RolloutServers:
             )
         self.servers: list[SGLangServer] = []
         self.restarts = 0
+        self.source_label = source_label
+        self.address = sync_address(cfg, single_node)
+        self.control: ControlStore | None = None
+        """Where the other sources of a per-source sync meet rank 0's synchronizer (several only)."""
+        if cfg.weight_sync_sources > 1:
+            port = r.weight_sync_port or 0
+            self.control = ControlStore.host(self.address, port, timeout_s=r.request_timeout_s)
         self.urls = self._start()
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
@@ -220,8 +314,23 @@ class RolloutServers:
             fp8=None if self.stress else self.scheme,
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
             timeout_s=r.request_timeout_s,
+            master_address=self.address,
+            master_port=r.weight_sync_port + 1 if r.weight_sync_port else None,
+            sources=self.cfg.weight_sync_sources,
+            control=self.control,
+            source_label=self.source_label,
         )
         self.synchronizer.connect()
+
+    def reconnect(self) -> None:
+        """A new synchronizer on the same servers (what a failed update with several sources asks
+        for); the other sources join its groups at their next sync."""
+        if self.synchronizer is not None:
+            try:
+                self.synchronizer.close()
+            except Exception:  # noqa: BLE001 - its groups are torn down either way
+                pass
+        self._connect()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -262,35 +371,22 @@ class RolloutServers:
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *, quantize: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: str,
+        *,
+        quantize: bool = True,
+        meta: Meta | None = None,
     ) -> dict[str, float]:
-        """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).
-        ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and stress)."""
+        """Push one full set of HF-named weights (rank 0's own, with ``meta`` their metadata; with
+        several sources, the others push theirs at the same time); returns sync metrics (seconds,
+        bytes, mode). ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and
+        stress)."""
         assert self.synchronizer is not None
-        served = self.synchronizer.manifest.tensors
-
-        def to_served(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-            # The trainer may hold fp32 masters (fp32 runs); the server holds its --dtype. Casting
-            # here is explicit and per tensor; names and shapes are still validated by the bridge.
-            for name, t in stream:
-                spec = served.get(name)
-                if spec is not None and t.is_floating_point() and t.dtype != spec.dtype:
-                    t = t.to(spec.dtype)
-                yield name, t
-
-        stream = to_served(named_tensors)
-        if self.stress and quantize:
-            r = self.cfg.rollout
-            assert self.scheme is not None
-            stream = fake_quantize_named_stress(
-                stream,
-                self.scheme,
-                r.fp8_rounding,
-                r.fp8_mantissa_bits,
-                quantize_router=r.fp8_quantize_router,
-            )
-        report = self.synchronizer.sync(stream, version, quantize=quantize)
-        return {
+        stream = weights_for_servers(self.cfg, named_tensors, quantize=quantize)
+        declared = meta_for_servers(meta) if meta is not None else None
+        report = self.synchronizer.sync(stream, version, quantize=quantize, meta=declared)
+        metrics = {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
             "sync/tensors": float(report.num_tensors),
@@ -298,6 +394,11 @@ class RolloutServers:
             # fp8 mode of the rollout copy: 0 none (BF16 rollout), 1 real FP8, 2 fake-quant on a bf16 server
             "sync/fp8_mode": 2.0 if self.stress and quantize else _FP8_MODE[report.fp8],
         }
+        if report.sources:
+            # The busiest source's share of the bytes: 1 / sources when the stages are even.
+            metrics["sync/sources"] = float(len(report.sources))
+            metrics["sync/busiest_source_share"] = max(report.sources.values()) / max(report.num_bytes, 1)
+        return metrics
 
     # -- failures ----------------------------------------------------------------------------------
 
@@ -333,3 +434,20 @@ class RolloutServers:
         for s in self.servers:
             s.stop()
         self.servers = []
+
+
+RESTART = "restart the servers"
+RECONNECT = "reconnect the synchronizer"
+
+
+def recovery(error: BaseException, servers: RolloutServers) -> str | None:
+    """What a weight sync that failed on rank 0 with ``error`` calls for: :data:`RESTART` (a server
+    died), :data:`RECONNECT` (a failed source or a hung group: new update groups), or None (bad
+    input: a retry would fail the same way)."""
+    if isinstance(error, ServerGoneError) or servers.dead_servers():
+        return RESTART
+    if isinstance(error, WeightSyncError) and not isinstance(
+        error, ManifestMismatchError | StreamMismatchError
+    ):
+        return RECONNECT
+    return None
