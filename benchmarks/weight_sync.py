@@ -326,6 +326,18 @@ def report_sync(placement: str, res: SyncResult, reps: int) -> None:
     print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
 
 
+SMOKE: dict[str, float | int] = {
+    "--layers": 2,
+    "--hidden": 128,
+    "--vocab": 512,
+    "--experts": 4,
+    "--reps": 2,
+    "--first-bucket-mb": 0.1,
+    "--bucket-mb": 0.5,
+}
+"""``--smoke``'s settings: a model of ~1-2 MB, several buckets per source, two reps."""
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -350,10 +362,24 @@ def parse_args() -> argparse.Namespace:
         "every core: the bridge's packing then competes with the server for it)",
     )
     ap.add_argument("--layout-timeout", type=float, default=3600, help="seconds one layout may take")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short run that checks the benchmark, not the goals: "
+        + " ".join(f"{k} {v}" for k, v in SMOKE.items())
+        + " (flags given win)",
+    )
     ap.add_argument("--work-dir", default=None)
     for hidden in ("--worker", "--server-url", "--server-ckpt", "--out"):  # one rank of a layout
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.smoke:
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        for flag, value in SMOKE.items():
+            dest = flag[2:].replace("-", "_")
+            if flag not in given:  # a flag given on the command line wins
+                setattr(args, dest, value)
+    return args
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -135,12 +135,17 @@ def _coordinator(
     return sync
 
 
-def _generate(url: str) -> list:
+def _generate(url: str, *, greedy: bool = False) -> list:
+    """One sample per prompt: seeded at T=1 (log-probs to compare), or greedy (the same tokens for
+    the same weights: a CPU server's seeded sampling depends on the batch it runs in)."""
+    from sglang_bridge.client import SamplingParams
     from sglang_bridge.weight_sync.verify import verify_params
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True) if greedy else None
 
     async def go() -> list:
         async with SGLangClient(url) as c:
-            return [g[0] for g in await c.generate(PROMPTS, verify_params(8, 1.0))]
+            return [g[0] for g in await c.generate(PROMPTS, params or verify_params(8, 1.0))]
 
     return asyncio.run(go())
 
@@ -208,7 +213,7 @@ def test_a_bad_declaration_of_any_source_is_refused_before_anything_is_sent(
         theirs = theirs[1:]
     else:
         mine = mine + theirs[:1]
-    before = _generate(sglang_server.url)
+    before = _generate(sglang_server.url, greedy=True)
     out = sources.start(theirs, [plan])
     sync = _coordinator(sglang_server.url, manifest, sources.control)
     try:
@@ -227,7 +232,7 @@ def test_a_bad_declaration_of_any_source_is_refused_before_anything_is_sent(
     assert (
         isinstance(got, list) and "ManifestMismatchError" in got[0]["error"] and "refused" in got[0]["error"]
     )
-    after = _generate(sglang_server.url)  # not paused, same weights and version
+    after = _generate(sglang_server.url, greedy=True)  # not paused, same weights and version
     assert [s.output_ids for s in after] == [s.output_ids for s in before]
     assert {s.weight_version for s in after} == {s.weight_version for s in before}
 
