@@ -99,8 +99,12 @@ class RunContext:
             except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
                 ok, err = False, f"{type(e).__name__}: {e}"
                 action = recovery(e, self.servers) if self.servers is not None else None
-            for _ in stream:  # drain: the gathers inside are collectives every rank must join
-                pass
+            try:
+                for _ in stream:  # drain: the gathers inside are collectives every rank must join
+                    pass
+            except Exception as e:  # noqa: BLE001 - a stream that fails here still reaches the vote
+                if ok:
+                    ok, err = False, f"{type(e).__name__}: {e}"
             ok, action, err = broadcast_object((ok, action, err))
             if not ok and action is None:
                 raise RuntimeError(f"weight sync to {version} failed: {err}")

@@ -43,6 +43,9 @@ tensor (a fused ``linear_fc1``) 8.4 MB, so the bound is resolved far above page 
 SLACK = 2 << 20
 """Allowed above the bound: Python objects, HTTP and store messages, gloo's own buffers."""
 
+MEM = dict(kind="big", model_kind="qwen3", model=BIG, layout=dict(pp=2, tp=2), fp8=True, bucket_mb=2)
+"""The memory cases: the ``BIG`` model at PP=2 x TP=2 (every rank gathers or sends a shard)."""
+
 CASES = [
     dict(name="tp2", kind="qwen3", layout=dict(tp=2), before=True),
     dict(name="pp2", kind="qwen3", layout=dict(pp=2), seed=2),
@@ -55,26 +58,8 @@ CASES = [
     dict(name="pp2_ep2_fp8", kind="moe", layout=dict(pp=2, ep=2), fp8=True, seed=4),
     dict(name="pp2_ep2_failing_source", kind="moe", layout=dict(pp=2, ep=2), seed=5, fail_on=1),
     # The memory bound, on a model large enough to resolve it: FP8 on the way, 2 MiB buckets.
-    dict(
-        name="mem_pp2_tp2",
-        kind="big",
-        model_kind="qwen3",
-        model=BIG,
-        layout=dict(pp=2, tp=2),
-        fp8=True,
-        bucket_mb=2,
-    ),
-    dict(
-        name="mem_NEGATIVE_held",
-        kind="big",
-        model_kind="qwen3",
-        model=BIG,
-        layout=dict(pp=2, tp=2),
-        fp8=True,
-        bucket_mb=2,
-        seed=2,
-        hold=True,
-    ),
+    dict(name="mem_pp2_tp2", **MEM),
+    dict(name="mem_NEGATIVE_held", **MEM, seed=2, hold=True),
 ]
 
 

@@ -122,20 +122,20 @@ class WeightSource:
     # -- one sync ---------------------------------------------------------------------------------
     def _next_seq(self) -> int:
         """The number of the sync to take part in: the one after the last, or for the first, the
-        coordinator's current one if it is still waiting for the sources (a source that started
-        after the coordinator), else the next."""
+        coordinator's current one if it is still waiting for the sources' declarations (a source
+        that started after the coordinator), else the next."""
         if self.seq is not None:
             return self.seq + 1
         now = self.control.counter("seq")
-        if (
-            now >= 1
-            and self.control.poll(f"go/{now}") is None
-            and self.control.poll(f"sync/{now}") is not None
-        ):
-            info = self.control.poll(f"sync/{now}")
-            if "error" not in info:
-                return now
-        return now + 1
+        if now == 0:
+            return 1
+        # The coordinator counts a sync, then publishes it: wait for it rather than read a sync
+        # counted but not yet published as one that is over (this source would then wait for the
+        # next while the coordinator waits for it).
+        info = self.control.get(f"sync/{now}", f"weight sync {now} from the coordinator")
+        if "error" in info or self.control.poll(f"go/{now}") is not None:
+            return now + 1  # refused, or past the declarations (it cannot be waiting for ours)
+        return now
 
     def sync(
         self,

@@ -150,6 +150,20 @@ def _generate(url: str, *, greedy: bool = False) -> list:
     return asyncio.run(go())
 
 
+def _served(url: str, ckpt: Path, named: dict[str, torch.Tensor]) -> tuple[set[str], float]:
+    """The server's weight versions and its max |delta logp| against ``named`` (HF, in float)."""
+    samples = _generate(url)
+    ref = hf_logprobs(
+        load_hf(ckpt, named), [s.prompt_ids for s in samples], [s.output_ids for s in samples], 1.0
+    )
+    delta = max(
+        abs(a - b)
+        for s, r in zip(samples, ref, strict=True)
+        for a, b in zip(s.rollout_logprobs, r, strict=True)
+    )
+    return {s.weight_version for s in samples}, delta
+
+
 @pytest.fixture()
 def restore(
     synchronizer: DistributedWeightSynchronizer, tiny_ckpt: Path, manifest: Manifest
@@ -186,17 +200,8 @@ def test_two_sources_one_lifecycle_and_the_served_logprobs_follow(
     served = {
         k: fake_quantize(v, SCHEME) if fp8 and should_quantize(k, v, SCHEME) else v for k, v in named.items()
     }
-    samples = _generate(sglang_server.url)
-    assert {s.weight_version for s in samples} == {"two-1"}
-    ref = hf_logprobs(
-        load_hf(tiny_ckpt, served), [s.prompt_ids for s in samples], [s.output_ids for s in samples], 1.0
-    )
-    delta = max(
-        abs(a - b)
-        for s, r in zip(samples, ref, strict=True)
-        for a, b in zip(s.rollout_logprobs, r, strict=True)
-    )
-    assert delta < 1e-2
+    versions, delta = _served(sglang_server.url, tiny_ckpt, served)
+    assert versions == {"two-1"} and delta < 1e-2
 
 
 @pytest.mark.parametrize("fault", ["renamed", "missing", "twice"])
@@ -259,19 +264,8 @@ def test_a_source_killed_mid_sync_fails_it_by_name_and_a_new_synchronizer_recove
     finally:
         sync.close()
     assert sources.join(out)[0]["ok"]
-    samples = _generate(sglang_server.url)
-    assert {s.weight_version for s in samples} == {"recovered"}
-    ref = hf_logprobs(
-        load_hf(tiny_ckpt, named), [s.prompt_ids for s in samples], [s.output_ids for s in samples], 1.0
-    )
-    assert (
-        max(
-            abs(a - b)
-            for s, r in zip(samples, ref, strict=True)
-            for a, b in zip(s.rollout_logprobs, r, strict=True)
-        )
-        < 1e-2
-    )
+    versions, delta = _served(sglang_server.url, tiny_ckpt, named)
+    assert versions == {"recovered"} and delta < 1e-2
 
 
 # -- no server: the layouts and the order ----------------------------------------------------------
@@ -422,15 +416,4 @@ def test_an_update_group_takes_one_sender_and_its_other_members_receive_every_by
     assert init["success"] and loaded["success"], (init, loaded)
     assert [p.exitcode for p in procs] == [0, 0]
     assert torch.equal(torch.load(base + ".rank1"), bucket.flat)  # the second trainer rank got it all
-    samples = _generate(sglang_server.url)
-    ref = hf_logprobs(
-        load_hf(tiny_ckpt, named), [s.prompt_ids for s in samples], [s.output_ids for s in samples], 1.0
-    )
-    assert (
-        max(
-            abs(a - b)
-            for s, r in zip(samples, ref, strict=True)
-            for a, b in zip(s.rollout_logprobs, r, strict=True)
-        )
-        < 1e-2
-    )
+    assert _served(sglang_server.url, tiny_ckpt, named)[1] < 1e-2
