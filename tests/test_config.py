@@ -108,6 +108,14 @@ def test_bad_choice_suggests_valid_one():
             "rollout.server_cpus",
             "started (and bound) elsewhere",
         ),
+        (["rollout.weight_sync_port=80"], "rollout.weight_sync_port", "[1024, 65535]"),
+        (
+            ["parallel.pp=2", "parallel.world_size=2", "rollout.weight_sync_port=65534"],
+            "rollout.weight_sync_port",
+            "runs past port 65535",
+        ),
+        (["rollout.bucket_size_mb=0"], "rollout.bucket_size_mb", "> 0"),
+        (["rollout.weight_sync=rank_0"], "rollout.weight_sync", "per_source"),
     ],
 )
 def test_out_of_range_values(override, key, words):
@@ -126,6 +134,14 @@ def test_moe_cross_checks():
     assert "divisible by ep=3" in error_of(load_config, None, base + ["parallel.ep=3"])
     assert "sequence_parallel: true" in error_of(load_config, None, base + ["parallel.tp=2"])
     assert load_config(None, base + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"])
+
+
+def test_weight_sync_sources_follow_the_layout():
+    moe = ["model.family=qwen3_moe", "model.num_experts=4"]
+    layout = ["parallel.pp=2", "parallel.ep=2", "parallel.world_size=4"]
+    assert load_config(None, moe + layout).weight_sync_sources == 4  # a stage x EP rank each
+    assert load_config(None, ["parallel.pp=2", "parallel.world_size=2"]).weight_sync_sources == 2
+    assert load_config(None, moe + layout + ["rollout.weight_sync=rank0"]).weight_sync_sources == 1
 
 
 def test_several_errors_reported_together():
