@@ -114,10 +114,10 @@ class RunContext:
                 return metrics
             log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; {action} and retry")
             if self.servers is not None:
-                if action == RESTART:
-                    self.servers.restart()
-                else:
-                    self.servers.reconnect()
+                try:
+                    self.servers.restart() if action == RESTART else self.servers.reconnect()
+                except Exception as e:  # noqa: BLE001 - the next attempt's vote keeps the ranks in step
+                    log0(f"{action} failed: {type(e).__name__}: {e}")
         raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")
 
     # -- logging -----------------------------------------------------------------------------------
