@@ -1,7 +1,14 @@
-"""Weight-sync throughput of the bridge vs a raw transfer of the same bytes, on the same group, same run.
+"""Weight-sync throughput of the bridge vs a raw transfer of the same bytes, on the same group, same run;
+and per layout, the per-source sync against today's rank-0 path.
 
-    python benchmarks/weight_sync.py [--layers 8 --hidden 768 --reps 15 --bucket-mb 512 --first-bucket-mb 32]
+    python benchmarks/weight_sync.py [--layout pp2,ep2,pp2ep2,pp1] [--layers 8 --hidden 768 --experts 8]
+                                     [--reps 15 --bucket-mb 512 --first-bucket-mb 32]
                                      [--placements shared,split]
+
+``--layout pp2 / ep2 / pp2ep2``: real Megatron layouts (PP=2 dense, EP=2 MoE, PP=2 x EP=2 MoE) push
+the same weights into a real SGLang server, the rank-0 path and the per-source path alternating
+(``benchmarks/_weight_sync_layouts.py``); each prints ``busiest rank bytes share`` and
+``per-source sync time ratio``. ``pp1`` is the measurement below, at PP=1 (one source):
 
 Starts a real SGLang server (CPU: bf16, so FP8 is fake-quant, block 128x128) on a locally built
 model, connects a :class:`DistributedWeightSynchronizer`, and measures, interleaved (the order flips
@@ -34,7 +41,8 @@ part of them the transfer did not hide), the mean CPU seconds each path costs th
 and the server's process tree (less sensitive to other jobs than wall time on a shared machine),
 the server's page faults per transfer; then the load average, ``shared-core sync efficiency``,
 ``quantize efficiency: <copy time / quantize time>`` and, last, ``sync efficiency: <raw / bridge>``
-of the last placement.
+of the last placement. The goal lines come last: each layout's two figures, then (``pp1``) the
+shared-core and quantize figures and ``sync efficiency``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import argparse
 import contextlib
 import functools
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,7 +63,9 @@ from statistics import median
 import psutil
 import torch
 
-from megatron_acrl.config import ModelConfig
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling module
+import _weight_sync_layouts as layouts  # noqa: E402
+
 from megatron_acrl.tiny_model import build_checkpoint
 from sglang_bridge.fp8 import (
     FP8_DTYPE,
@@ -315,11 +326,30 @@ def report_sync(placement: str, res: SyncResult, reps: int) -> None:
     print("per-rep raw/bridge: " + " ".join(f"{x:.3f}" for x in ratios))
 
 
-def main() -> None:
+SMOKE: dict[str, float | int] = {
+    "--layers": 2,
+    "--hidden": 128,
+    "--vocab": 512,
+    "--experts": 4,
+    "--reps": 2,
+    "--first-bucket-mb": 0.1,
+    "--bucket-mb": 0.5,
+}
+"""``--smoke``'s settings: a model of ~1-2 MB, several buckets per source, two reps."""
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--layout",
+        default="pp2,ep2,pp2ep2,pp1",
+        help="comma-separated: pp2 (dense, PP=2), ep2 (MoE, EP=2), pp2ep2 (MoE, PP=2 x EP=2), each the "
+        "per-source sync vs the rank-0 path; pp1: the bridge vs a raw transfer at PP=1 (--placements)",
+    )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--experts", type=int, default=8, help="experts of the layouts' MoE model")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--bucket-mb", type=float, default=512, help="the bridge's largest bucket")
     ap.add_argument("--first-bucket-mb", type=float, default=32, help="the bridge's first bucket")
@@ -331,25 +361,71 @@ def main() -> None:
         "as on GPU nodes where trainer and rollout have their own devices) and/or shared (both on "
         "every core: the bridge's packing then competes with the server for it)",
     )
+    ap.add_argument("--layout-timeout", type=float, default=3600, help="seconds one layout may take")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a short run that checks the benchmark, not the goals: "
+        + " ".join(f"{k} {v}" for k, v in SMOKE.items())
+        + " (flags given win)",
+    )
     ap.add_argument("--work-dir", default=None)
+    for hidden in ("--worker", "--server-url", "--server-ckpt", "--out"):  # one rank of a layout
+        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        for flag, value in SMOKE.items():
+            dest = flag[2:].replace("-", "_")
+            if flag not in given:  # a flag given on the command line wins
+                setattr(args, dest, value)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(layouts, placements), refused before anything is built."""
+    names = [n.strip() for n in args.layout.split(",") if n.strip()]
+    bad = [n for n in names if n not in (*layouts.LAYOUTS, "pp1")]
+    if bad or not names or len(set(names)) != len(names):
+        raise SystemExit(f"--layout {args.layout!r}: give each of pp2, ep2, pp2ep2, pp1 at most once")
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     if not placements or len(set(placements)) != len(placements):
         raise SystemExit(f"--placements {args.placements!r}: give split and/or shared, each once")
     for p in placements:
         split_cores(p)  # a bad placement fails before the model is built
-    torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit
+    return names, placements
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        layouts.worker(args)
+        return
+    names, placements = check_args(args)
     load0 = os.getloadavg()[0]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
-    cfg = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.hidden * 8 // 3 // 64 * 64,
-        num_attention_heads=args.hidden // 64,
-        num_query_groups=max(1, args.hidden // 128),
-        vocab_size=args.vocab,
-        tie_embeddings=False,
-    )
+    goals: list[str] = []
+    megatron = [n for n in names if n != "pp1"]
+    with contextlib.ExitStack() as stack:
+        servers = layouts.start_layout_servers(megatron, args, work, stack) if megatron else {}
+        for name in megatron:
+            res = layouts.run_layout(name, args, servers[layouts.LAYOUTS[name]["moe"]], work)
+            share, ratio = layouts.report_layout(name, res, args.reps)
+            goals += [
+                f"busiest rank bytes share [{name}]: {share:.3f}",
+                f"per-source sync time ratio [{name}]: {ratio:.3f}",
+            ]
+    if "pp1" in names:
+        goals += measure_pp1(args, placements, work)
+    print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+    for line in goals:
+        print(line)
+
+
+def measure_pp1(args: argparse.Namespace, placements: list[str], work: Path) -> list[str]:
+    """The bridge vs a raw transfer at PP=1 under each placement; returns its goal lines."""
+    torch.set_num_threads(1)  # the server needs the other core; both paths run under the same limit
+    cfg = layouts.model_config(args, moe=False)
     ckpt = build_checkpoint(cfg, cache_dir=work / "models")
     manifest = Manifest.from_checkpoint(ckpt)
     named = load_named(ckpt, manifest)
@@ -362,15 +438,13 @@ def main() -> None:
         f"plain copy {c_t:.4f}s ({q_bytes / c_t / 1e9:.2f} GB/s); "
         f"fake-quant {f_t:.4f}s ({q_bytes / f_t / 1e9:.2f} GB/s)  [medians of {args.reps}]"
     )
-
     results = {p: measure_sync(ckpt, manifest, named, scheme, args, p, work) for p in placements}
     for p, res in results.items():
         report_sync(p, res, args.reps)
-    print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
-    for p in placements[:-1]:
-        print(f"{p}-core sync efficiency: {results[p].efficiency:.3f}")
-    print(f"quantize efficiency: {median([c / q for c, q in zip(cs, qs, strict=True)]):.3f}")
-    print(f"sync efficiency: {results[placements[-1]].efficiency:.3f}")
+    lines = [f"{p}-core sync efficiency: {results[p].efficiency:.3f}" for p in placements[:-1]]
+    lines.append(f"quantize efficiency: {median([c / q for c, q in zip(cs, qs, strict=True)]):.3f}")
+    lines.append(f"sync efficiency: {results[placements[-1]].efficiency:.3f}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ Layouts (N = --nodes, G = --gpus-per-node):
   with a per-job API key; the trainer gets the first ``N - server_nodes`` nodes, G ranks each.
 
 The trainer's world size is checked against ``parallel.tp * pp * dp`` here, before anything is queued.
+
+Weight sync: ``weight_sync_sources`` trainer ranks send weights to the servers (one per pipeline stage
+and EP rank with ``rollout.weight_sync: per_source``). The servers dial each of them, so the job
+script gives the trainer nodes ``weight_sync_sources + 1`` consecutive ports per job
+(:attr:`JobPlan.weight_sync_ports`: rank 0's control store, then each source's update-group store).
 """
 
 from __future__ import annotations
@@ -51,6 +56,14 @@ class JobPlan:
     """Variable the job script fills with a fresh random key for the servers it starts (None in
     driver mode: the driver makes the key of the servers it starts)."""
     cpus_per_task: int
+    weight_sync_sources: int = 1
+    """Trainer ranks that send weights to the servers themselves (``Config.weight_sync_sources``)."""
+
+    @property
+    def weight_sync_ports(self) -> int:
+        """Consecutive ports the weight sync listens on, on the trainer nodes: rank 0's control store
+        and one update-group store per source (``rollout.weight_sync_port`` is the first)."""
+        return self.weight_sync_sources + 1
 
     @property
     def trainer_gpus_per_node(self) -> int:
@@ -121,6 +134,7 @@ def plan_job(
         server_host="0.0.0.0" if dedicated else "127.0.0.1",
         api_key_env=(cfg.rollout.api_key_env or DEFAULT_API_KEY_ENV) if srv.mode != "driver" else None,
         cpus_per_task=cpus_per_task,
+        weight_sync_sources=cfg.weight_sync_sources,
     )
 
 

@@ -78,7 +78,7 @@ def server_command(
     the trainer reads its weight-sync manifest from the same copy), so its weights are exactly the
     e4m3 + scales the bridge sends."""
     # Imported here so that `launch.submit` (and its tests) never import the SGLang side.
-    from megatron_acrl.rollout_servers import fp8_scheme, resolve_fp8_mode
+    from megatron_acrl.server_weights import fp8_scheme, resolve_fp8_mode
     from sglang_bridge.fp8 import served_fp8_checkpoint
     from sglang_bridge.server import ServerSpec
 

@@ -337,8 +337,9 @@ class RolloutConfig(_Section):
     fp8_scale_ue8m0: bool = False
     """Round FP8 scales to powers of two (DeepGEMM UE8M0), as SGLang's own quantizer does."""
 
-    bucket_size_mb: int = 512
-    """Weight-sync bucket size in MiB."""
+    bucket_size_mb: float = 512
+    """Weight-sync bucket size in MiB (the first bucket is at most 32 MiB; a larger tensor gets a
+    bucket of its own). Each source holds two send buffers of this size."""
 
     fp8_mode: Literal["auto", "real", "fake"] = "auto"
     """How an FP8 quantization reaches the servers: real (e4m3 weights + scales, FP8 server), fake
@@ -428,6 +429,22 @@ class RolloutConfig(_Section):
     router_port: int | None = None
     """Port of the router on 127.0.0.1 (only the driver talks to it); None picks a free one."""
 
+    weight_sync: Literal["per_source", "rank0"] = "per_source"
+    """Who sends the weights to the servers. per_source: the (DP 0, TP 0) rank of every pipeline
+    stage sends its stage, and with EP > 1 every expert leaves from the EP rank that holds it, each
+    source through its own update group, the sources concurrently, rank 0 running the update's
+    lifecycle once (no rank holds more than its stage's tensors plus two buckets). rank0: every
+    stage is broadcast to global rank 0, which sends the whole model (the baseline)."""
+
+    weight_sync_port: int | None = None
+    """First port of the weight sync on the trainer nodes: rank 0's control store listens on it and
+    source s's update-group store on weight_sync_port + 1 + s (the servers dial those); None picks
+    free ports (one machine, or open networks). Job scripts set it from the job id."""
+
+    weight_sync_address: str | None = None
+    """Address the servers dial to reach a weight-sync source (its store and broadcasts); None:
+    loopback when the driver starts its servers itself, else the source node's host name."""
+
     @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
@@ -442,12 +459,12 @@ class RolloutConfig(_Section):
             "prompts_per_step",
             "max_new_tokens",
             "max_prompt_len",
-            "bucket_size_mb",
             "max_concurrency",
             "samples_per_request",
         ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         self._validate_async(e)
+        _check(e, self.bucket_size_mb > 0, "bucket_size_mb", f"must be > 0, got {self.bucket_size_mb}")
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(e, self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1")
@@ -475,6 +492,12 @@ class RolloutConfig(_Section):
             self.base_port is None or 1 <= self.base_port <= 65535 - self.num_servers,
             "base_port",
             "must be a valid TCP port or null (free ports)",
+        )
+        _check(
+            e,
+            self.weight_sync_port is None or 1024 <= self.weight_sync_port <= 65535,
+            "weight_sync_port",
+            f"must be a TCP port in [1024, 65535] or null (free ports), got {self.weight_sync_port}",
         )
         for i, url in enumerate(self.server_urls):
             _check(
@@ -1019,8 +1042,34 @@ class Config:
                 errors.append((key, f"no such file or directory: {value} (fix the path or set it to null)"))
         _raise_if(errors)
 
-    def _cross_checks(self) -> list[tuple[str, str]]:
+    @property
+    def weight_sync_sources(self) -> int:
+        """Ranks that send weights to the servers: one per pipeline stage and expert-parallel rank
+        with ``rollout.weight_sync: per_source`` (EP only splits MoE models), else 1 (rank 0)."""
+        p = self.parallel
+        return p.pp * p.ep if self.rollout.weight_sync == "per_source" else 1
+
+    def _weight_sync_checks(self) -> list[tuple[str, str]]:
+        """The weight sync's ports and sources against the layout."""
         e: list[tuple[str, str]] = []
+        port = self.rollout.weight_sync_port
+        _check(
+            e,
+            port is None or port + self.weight_sync_sources <= 65535,
+            "rollout.weight_sync_port",
+            f"{port} + 1 + {self.weight_sync_sources - 1} sources runs past port 65535; choose a lower one",
+        )
+        _check(
+            e,
+            self.rollout.weight_lag_steps == 0 or self.weight_sync_sources == 1,
+            "rollout.weight_lag_steps",
+            f"rank 0 keeps the lagged weights and sends them itself, but rollout.weight_sync=per_source "
+            f"has {self.weight_sync_sources} sources (pp x ep): set rollout.weight_sync=rank0 for a lag",
+        )
+        return e
+
+    def _cross_checks(self) -> list[tuple[str, str]]:
+        e = self._weight_sync_checks()
         m, p = self.model, self.parallel
         _check(
             e,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,12 @@ from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.distributed import broadcast_object, init_distributed, log0
 from megatron_acrl.logging import RunLogger
 from megatron_acrl.tasks import Prompt, Task, make_task
-from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
     from megatron_acrl.megatron.critic import Critic
     from megatron_acrl.megatron.policy import Policy
     from megatron_acrl.rollout_servers import RolloutServers
+    from sglang_bridge.weight_sync import WeightSource
 
 
 @dataclass
@@ -54,6 +55,9 @@ class RunContext:
     """Rank 0, unless the run replays recorded rollouts."""
     logger: RunLogger | None = None
     """Rank 0, from :meth:`start_logging` on."""
+    weight_source: WeightSource | None = None
+    """The weight-sync source of a non-zero rank that sends its own stage's / EP rank's weights
+    (``rollout.weight_sync: per_source``); rank 0's synchronizer coordinates it."""
     prompt_stream: Iterator[Prompt] | None = None
     """Rank 0: the training prompts, positioned after the prompts consumed so far."""
     last_checkpoint_step: int = -1
@@ -73,36 +77,58 @@ class RunContext:
     def push_weights(
         self, version: str, *, quantize: bool = True, weights: Sequence[tuple[str, Tensor]] | None = None
     ) -> dict[str, float]:
-        """Push the policy's weights to the rollout servers (all ranks walk the gathered stream);
-        ``quantize=False`` pushes them without the rollout's FP8 quantization (bf16 servers only).
-        ``weights``: rank 0's stored HF-named weights to push instead (the lag buffer,
-        :mod:`megatron_acrl.served_weights`); then no rank walks the stream, and every rank passes
-        a value (the others' is ignored).
+        """Push the policy's weights to the rollout servers; ``quantize=False`` pushes them without
+        the rollout's FP8 quantization (bf16 servers only). Every rank walks its stream (the gathers
+        in it are collectives): per source, each stage's and EP rank's source sends its own part
+        while rank 0 runs the update's lifecycle; with ``rollout.weight_sync: rank0``, every stage is
+        broadcast to rank 0, which sends it all. ``weights``: rank 0's stored HF-named weights to
+        push instead (the lag buffer, :mod:`megatron_acrl.served_weights`); then no rank walks the
+        stream, rank 0 sends the whole set (the config allows a lag only with one source), and every
+        rank passes a value (the others' is ignored).
 
-        A failed sync (a server died) restarts the servers and tries again, twice.
+        A failed sync restarts dead servers, or reconnects the synchronizer (a failed source), and
+        tries again, twice; rank 0 decides for every rank.
         """
+        from megatron_acrl.server_weights import RESTART, push_from_source, recovery
+
+        per_source = self.cfg.rollout.weight_sync == "per_source"
         for attempt in range(3):
-            stream = iter(weights) if weights is not None else self.policy.hf_weights(all_stages=True)
+            if weights is not None:  # the lag buffer: rank 0 holds the whole set and sends it
+                stream, meta = iter(weights), None
+            else:
+                stream = (
+                    self.policy.hf_source_weights() if per_source else self.policy.hf_weights(all_stages=True)
+                )
+                meta = self.policy.hf_source_meta() if per_source else None
             metrics: dict[str, float] = {}
-            ok, retry, err = True, False, ""
-            if self.servers is not None:
-                try:
-                    metrics = self.servers.update_weights(stream, version, quantize=quantize)
-                except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
+            ok, action, err = True, None, ""
+            try:
+                if self.servers is not None:
+                    metrics = self.servers.update_weights(stream, version, quantize=quantize, meta=meta)
+                elif self.weight_source is not None and meta is not None:
+                    push_from_source(self.cfg, self.weight_source, stream, meta, quantize=quantize)
+            except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
+                ok, err = False, f"{type(e).__name__}: {e}"
+                action = recovery(e, bool(self.servers.dead_servers())) if self.servers is not None else None
+            try:
+                for _ in stream:  # drain: the gathers inside are collectives every rank must join
+                    pass
+            except Exception as e:  # noqa: BLE001 - a stream that fails here still reaches the vote
+                if ok:
                     ok, err = False, f"{type(e).__name__}: {e}"
-                    retry = isinstance(e, ServerGoneError) or bool(self.servers.dead_servers())
-            for _ in stream:  # drain: the gathers inside are collectives every rank must join
-                pass
-            ok, retry, err = broadcast_object((ok, retry, err))
-            if not ok and not retry:
+            ok, action, err = broadcast_object((ok, action, err))
+            if not ok and action is None:
                 raise RuntimeError(f"weight sync to {version} failed: {err}")
             if ok:
                 if self.servers is not None:
                     metrics["sync/restarts"] = float(self.servers.restarts)
                 return metrics
-            log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; restarting the servers")
+            log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; {action} and retry")
             if self.servers is not None:
-                self.servers.restart()
+                try:
+                    self.servers.restart() if action == RESTART else self.servers.reconnect()
+                except Exception as e:  # noqa: BLE001 - the next attempt's vote keeps the ranks in step
+                    log0(f"{action} failed: {type(e).__name__}: {e}")
         raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")
 
     # -- logging -----------------------------------------------------------------------------------
@@ -122,6 +148,9 @@ class RunContext:
         if self.servers is not None:
             self.servers.close()
             self.servers = None
+        if self.weight_source is not None:
+            self.weight_source.close()
+            self.weight_source = None
 
 
 def _run_dir(cfg: Config, args: argparse.Namespace) -> Path:
@@ -231,6 +260,8 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         policy=policy,
         critic=critic,
     )
+    source = policy.sync_source
+    single_node = on_one_node(world)
     if rank == 0:
         ctx.prompt_stream = prompt_stream(task, cfg.training.seed)
         if not args.load_rollouts:
@@ -240,6 +271,30 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
                 f"starting {cfg.rollout.num_servers if not cfg.rollout.server_urls else 'external'} "
                 f"SGLang server(s) for {model_dir}"
             )
-            ctx.servers = RolloutServers(cfg, model_dir, run_dir / "logs")
+            label = source.label if source is not None else ""
+            ctx.servers = RolloutServers(
+                cfg, model_dir, run_dir / "logs", source_label=label, single_node=single_node
+            )
+    attach_weight_source(ctx, single_node)
     dist.barrier()
     return ctx
+
+
+def on_one_node(world: int) -> bool:
+    """Whether every rank of the trainer world runs on this host (a collective)."""
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return len(set(hosts)) == 1
+
+
+def attach_weight_source(ctx: RunContext, single_node: bool) -> None:
+    """Per-source weight sync: every rank that sends weights itself, but rank 0 (whose servers'
+    synchronizer coordinates them), joins rank 0's control store (a collective)."""
+    servers = ctx.servers
+    control = broadcast_object(servers.control.address if servers and servers.control else None)
+    source = ctx.policy.sync_source
+    if control is not None and ctx.rank != 0 and source is not None:
+        from megatron_acrl.server_weights import open_weight_source, sync_address
+
+        address = sync_address(ctx.cfg, single_node)
+        ctx.weight_source = open_weight_source(ctx.cfg, tuple(control), source.index, source.label, address)

@@ -7,7 +7,12 @@ the served model directory; multi-node launch scripts start servers on their own
 :class:`sglang_bridge.weight_sync.DistributedWeightSynchronizer`: FP8 is real (e4m3 + scales) on GPU
 servers and *fake-quant* (FP8 rounding served in bf16) on CPU servers, which cannot run FP8 kernels;
 the mode is reported in every update's ``sync/*`` metrics. The stress emulations (truncated or
-coarser e4m3, quantized routers) are applied here, before the synchronizer, which then sends bf16.
+coarser e4m3, quantized routers) are applied before the synchronizer (:func:`weights_for_servers`,
+on every source), which then sends bf16.
+
+With ``rollout.weight_sync: per_source`` every pipeline stage's and EP rank's source sends its own
+weights (:func:`open_weight_source`, :func:`push_from_source` on the other ranks); rank 0's
+synchronizer coordinates them over a control store it hosts (:attr:`RolloutServers.control`).
 
 A server that dies is restarted from the served model directory and the update group reconnected
 (:meth:`RolloutServers.restart`); the driver then re-sends the current weights and retries
@@ -41,10 +46,20 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.server_weights import (
+    Meta,
+    check_fp8_mode,
+    fp8_scheme,
+    meta_for_servers,
+    resolve_device,
+    resolve_fp8_mode,
+    sync_address,
+    weights_for_servers,
+)
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.fanout import FanOutResult, fan_out
-from sglang_bridge.fp8 import Fp8Scheme, fake_quantize_named_stress, served_fp8_checkpoint
-from sglang_bridge.listeners import address_towards, port_holder, port_is_free
+from sglang_bridge.fp8 import served_fp8_checkpoint
+from sglang_bridge.listeners import port_holder, port_is_free
 from sglang_bridge.router import LoadSampler, RouterSpec, SGLangRouter
 from sglang_bridge.server import (
     PortInUse,
@@ -54,24 +69,10 @@ from sglang_bridge.server import (
     answers_anonymous,
     wait_for_servers,
 )
-from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
+from sglang_bridge.weight_sync import ControlStore, DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
 log = logging.getLogger(__name__)
-
-GRANULARITY = {"fp8_block": "block", "fp8_per_tensor": "per_tensor", "fp8_per_channel": "per_channel"}
-
-
-def fp8_scheme(cfg: Config) -> Fp8Scheme | None:
-    """The rollout quantization of ``cfg`` (None for BF16 rollout)."""
-    q = cfg.rollout.quantization
-    if q == "none":
-        return None
-    return Fp8Scheme(
-        granularity=GRANULARITY[q],
-        block_size=tuple(cfg.rollout.fp8_block_size),  # type: ignore[arg-type]
-        ue8m0=cfg.rollout.fp8_scale_ue8m0,
-    )
 
 
 def run_api_key(cfg: Config) -> str:
@@ -120,59 +121,6 @@ def routed_experts_topk(cfg: Config) -> int | None:
     return cfg.model.moe_router_topk if want and cfg.model.is_moe else None
 
 
-def resolve_device(cfg: Config) -> str:
-    if cfg.rollout.device != "auto":
-        return cfg.rollout.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_fp8_mode(cfg: Config, device: str) -> str:
-    """``rollout.fp8_mode`` on ``device``: auto is real FP8 on cuda servers and fake-quant on CPU
-    servers; fake also works on cuda (FP8-rounded bf16 on a bf16 server, e.g. to compare with a CPU
-    run); real on a CPU server is refused, since SGLang serves FP8 there only with Intel AMX kernels."""
-    mode = cfg.rollout.fp8_mode
-    if mode == "auto":
-        return "real" if device == "cuda" else "fake"
-    if mode == "real" and device != "cuda" and cfg.rollout.quantization != "none":
-        raise ConfigError(
-            [
-                (
-                    "rollout.fp8_mode",
-                    f"real FP8 needs a cuda server, but the rollout device is {device}; use fp8_mode "
-                    "auto or fake (FP8-rounded bf16), or rollout.device=cuda",
-                )
-            ]
-        )
-    return mode
-
-
-def check_fp8_mode(cfg: Config, fp8_mode: str) -> None:
-    """Refuse, before any server starts, what servers holding real FP8 weights cannot do: serve the
-    stress emulations (fake-quant only), or evaluate the trainer's unquantized weights."""
-    if fp8_scheme(cfg) is None or fp8_mode != "real":
-        return
-    if cfg.rollout.stress_quantization:
-        raise ConfigError(
-            [
-                (
-                    "rollout.fp8_mode",
-                    "fp8_rounding / fp8_mantissa_bits / fp8_quantize_router are fake-quant emulations "
-                    "and a cuda server gets real FP8 under fp8_mode auto; set rollout.fp8_mode=fake",
-                )
-            ]
-        )
-    if cfg.training.eval_trainer_weights:
-        raise ConfigError(
-            [
-                (
-                    "training.eval_trainer_weights",
-                    "evaluates the trainer's unquantized weights on the rollout servers, which hold "
-                    "real FP8 weights here; set rollout.fp8_mode=fake or turn it off",
-                )
-            ]
-        )
-
-
 ROUTING_POLICY_CODE = {
     "least_outstanding": 0.0,
     "cache_aware": 1.0,
@@ -210,7 +158,15 @@ class RolloutServers:
         log_dir: where server logs go.
     """
 
-    def __init__(self, cfg: Config, model_dir: str | Path, log_dir: str | Path):
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: str | Path,
+        log_dir: str | Path,
+        *,
+        source_label: str = "",
+        single_node: bool = True,
+    ):
         self.cfg = cfg
         self.model_dir = str(model_dir)
         self.log_dir = Path(log_dir)
@@ -235,6 +191,13 @@ class RolloutServers:
             )
         self.servers: list[SGLangServer] = []
         self.restarts = 0
+        self.source_label = source_label
+        self.address = sync_address(cfg, single_node)
+        self.control: ControlStore | None = None
+        """Where the other sources of a per-source sync meet rank 0's synchronizer (several only)."""
+        if cfg.weight_sync_sources > 1:
+            port = r.weight_sync_port or 0
+            self.control = ControlStore.host(self.address, port, timeout_s=r.request_timeout_s)
         self.urls = self._start()
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
@@ -325,15 +288,29 @@ class RolloutServers:
             Manifest.from_checkpoint(self.served_dir),
             server_tp=r.server_tp,
             api_key=self.api_key,
-            master_address=address_towards(self.urls[0]),  # the store listens where the servers dial
             device="cuda" if self.device == "cuda" else "cpu",
             bucket_size_mb=r.bucket_size_mb,
             fp8=None if self.stress else self.scheme,
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
             pause_mode=r.pause_mode,  # what requests in flight do during an update (async RL)
             timeout_s=r.request_timeout_s,
+            master_address=self.address,
+            master_port=r.weight_sync_port + 1 if r.weight_sync_port else None,
+            sources=self.cfg.weight_sync_sources,
+            control=self.control,
+            source_label=self.source_label,
         )
         self.synchronizer.connect()
+
+    def reconnect(self) -> None:
+        """A new synchronizer on the same servers (what a failed update with several sources asks
+        for); the other sources join its groups at their next sync."""
+        if self.synchronizer is not None:
+            try:
+                self.synchronizer.close()
+            except Exception:  # noqa: BLE001 - its groups are torn down either way
+                pass
+        self._connect()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -428,38 +405,25 @@ class RolloutServers:
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *, quantize: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: str,
+        *,
+        quantize: bool = True,
+        meta: Meta | None = None,
     ) -> dict[str, float]:
-        """Push one full set of HF-named weights; returns sync metrics (seconds, bytes, mode).
-        ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and stress)."""
+        """Push one full set of HF-named weights (rank 0's own, with ``meta`` their metadata; with
+        several sources, the others push theirs at the same time); returns sync metrics (seconds,
+        bytes, mode). ``quantize=False`` pushes them unquantized (bf16 servers only: fake-quant and
+        stress)."""
         if self.dead_servers():  # a server died while generating (its groups went elsewhere)
             self.restart()
         assert self.synchronizer is not None
-        served = self.synchronizer.manifest.tensors
-
-        def to_served(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-            # The trainer may hold fp32 masters (fp32 runs); the server holds its --dtype. Casting
-            # here is explicit and per tensor; names and shapes are still validated by the bridge.
-            for name, t in stream:
-                spec = served.get(name)
-                if spec is not None and t.is_floating_point() and t.dtype != spec.dtype:
-                    t = t.to(spec.dtype)
-                yield name, t
-
-        stream = to_served(named_tensors)
-        if self.stress and quantize:
-            r = self.cfg.rollout
-            assert self.scheme is not None
-            stream = fake_quantize_named_stress(
-                stream,
-                self.scheme,
-                r.fp8_rounding,
-                r.fp8_mantissa_bits,
-                quantize_router=r.fp8_quantize_router,
-            )
-        report = self.synchronizer.sync(stream, version, quantize=quantize)
+        stream = weights_for_servers(self.cfg, named_tensors, quantize=quantize)
+        declared = meta_for_servers(meta) if meta is not None else None
+        report = self.synchronizer.sync(stream, version, quantize=quantize, meta=declared)
         self._sync_router()  # restarted servers hold the current weights now: route to them again
-        return {
+        metrics = {
             "sync/seconds": report.seconds,
             "sync/bytes": float(report.num_bytes),
             "sync/tensors": float(report.num_tensors),
@@ -467,6 +431,11 @@ class RolloutServers:
             # fp8 mode of the rollout copy: 0 none (BF16 rollout), 1 real FP8, 2 fake-quant on a bf16 server
             "sync/fp8_mode": 2.0 if self.stress and quantize else _FP8_MODE[report.fp8],
         }
+        if report.sources:
+            # The busiest source's share of the bytes: 1 / sources when the stages are even.
+            metrics["sync/sources"] = float(len(report.sources))
+            metrics["sync/busiest_source_share"] = max(report.sources.values()) / max(report.num_bytes, 1)
+        return metrics
 
     # -- failures ----------------------------------------------------------------------------------
 

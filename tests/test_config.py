@@ -143,6 +143,19 @@ def test_bad_choice_suggests_valid_one():
             "training.max_tokens_per_microbatch",
             "not supported with virtual pipelining",
         ),
+        (["rollout.weight_sync_port=80"], "rollout.weight_sync_port", "[1024, 65535]"),
+        (
+            ["parallel.pp=2", "parallel.world_size=2", "rollout.weight_sync_port=65534"],
+            "rollout.weight_sync_port",
+            "runs past port 65535",
+        ),
+        (["rollout.bucket_size_mb=0"], "rollout.bucket_size_mb", "> 0"),
+        (["rollout.weight_sync=rank_0"], "rollout.weight_sync", "per_source"),
+        (
+            ["parallel.pp=2", "parallel.world_size=2", "rollout.weight_lag_steps=1", "rollout.max_staleness=1"],
+            "rollout.weight_lag_steps",
+            "set rollout.weight_sync=rank0",
+        ),
     ],
 )
 def test_out_of_range_values(override, key, words):
@@ -161,6 +174,14 @@ def test_moe_cross_checks():
     assert "divisible by ep=3" in error_of(load_config, None, base + ["parallel.ep=3"])
     assert "sequence_parallel: true" in error_of(load_config, None, base + ["parallel.tp=2"])
     assert load_config(None, base + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"])
+
+
+def test_weight_sync_sources_follow_the_layout():
+    moe = ["model.family=qwen3_moe", "model.num_experts=4"]
+    layout = ["parallel.pp=2", "parallel.ep=2", "parallel.world_size=4"]
+    assert load_config(None, moe + layout).weight_sync_sources == 4  # a stage x EP rank each
+    assert load_config(None, ["parallel.pp=2", "parallel.world_size=2"]).weight_sync_sources == 2
+    assert load_config(None, moe + layout + ["rollout.weight_sync=rank0"]).weight_sync_sources == 1
 
 
 def test_several_errors_reported_together():
@@ -237,7 +258,8 @@ def test_cli_reports_errors_with_exit_code_2():
 
 
 def test_fp8_mode_is_honoured_per_device(tmp_path):
-    from megatron_acrl.rollout_servers import RolloutServers, resolve_fp8_mode
+    from megatron_acrl.rollout_servers import RolloutServers
+    from megatron_acrl.server_weights import resolve_fp8_mode
 
     def cfg(*overrides: str):
         return load_config(ROOT / "configs/tiny_dense.yaml", ["rollout.quantization=fp8_block", *overrides])

@@ -197,6 +197,34 @@ def test_node_split_and_master_addr(tmp_path, capsys, nodelist):
     assert "urls=http://gpu09:30000 http://gpu09:30001 http://gpu09:30002 http://gpu09:30003" in out.stdout
 
 
+@pytest.mark.parametrize(
+    ("overrides", "sources", "first"),
+    [
+        (["parallel.pp=2"], 2, 12727),
+        (["parallel.pp=2", "rollout.weight_sync=rank0"], 1, 18484),
+        (["parallel.pp=2", "rollout.weight_sync_port=15000"], 2, 15000),
+    ],
+)
+def test_weight_sync_ports_follow_the_layout(tmp_path, capsys, overrides, sources, first):
+    """One port for rank 0's control store and one per source (a stage's sender), consecutive, in a
+    slot of the job id (or from ``rollout.weight_sync_port``); the run gets the first as an override."""
+    script = _render(tmp_path, capsys, "--nodes", "3", "--gpus-per-node", "8", *overrides)
+    assert _var(script, "WEIGHT_SYNC_PORTS") == str(sources + 1)
+    line = re.search(r"^WEIGHT_SYNC_PORT=.*$", script, re.M)
+    assert line and '"rollout.weight_sync_port=$WEIGHT_SYNC_PORT"' in script
+    probe = "\n".join(
+        [
+            f"WEIGHT_SYNC_PORTS={sources + 1}",
+            f"WEIGHT_SYNC_PORT_FIXED={_var(script, 'WEIGHT_SYNC_PORT_FIXED')}",
+            "SLURM_JOB_ID=4242",
+            line.group(0),
+            "echo $WEIGHT_SYNC_PORT",
+        ]
+    )
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30, check=True)
+    assert int(out.stdout) == first
+
+
 def test_bad_config_key_exits_2_with_the_config_message(capsys):
     assert submit_main([str(TINY), "training.num_stepz=3", "--dry-run", "--skip-cluster-checks"]) == 2
     err = capsys.readouterr().err

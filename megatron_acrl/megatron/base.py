@@ -381,6 +381,20 @@ class ModelTrainer:
         every rank must iterate."""
         return hf_io.hf_weights(self.model, self.layout, self._to_hf, all_stages=all_stages)
 
+    @property
+    def sync_source(self) -> hf_io.SyncSource | None:
+        """This rank's part in a per-source weight sync (None: it sends nothing itself)."""
+        return hf_io.sync_source(self.layout)
+
+    def hf_source_meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(hf_name, shape, dtype)`` of what :meth:`hf_source_weights` yields, nothing gathered."""
+        return hf_io.source_meta(self.model, self.layout, self._to_hf)
+
+    def hf_source_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's weights as a sync source (see :func:`hf_io.source_weights`); every rank must
+        iterate."""
+        return hf_io.source_weights(self.model, self.layout, self._to_hf)
+
     def load_hf(self, source: hf_io.HfSource) -> None:
         """Load HF weights (a safetensors file/directory or a name -> tensor mapping) into the model.
         Every rank reads only the tensors its shards need."""

@@ -37,6 +37,7 @@ __all__ = [
     "hf_names",
     "hf_sources",
     "hf_to_megatron",
+    "is_glu",
     "iter_megatron_to_hf",
     "megatron_names",
     "megatron_to_hf",
@@ -373,7 +374,8 @@ def hf_config(model) -> dict:  # noqa: ANN001 - megatron_acrl.config.ModelConfig
 # --------------------------------------------------------------------------------------------
 
 
-def _is_glu(name: str) -> bool:
+def is_glu(name: str) -> bool:
+    """Whether ``name`` is a GLU ``linear_fc1`` (``[gate; up]``, each TP rank holding ``[gate_r; up_r]``)."""
     return name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")
 
 
@@ -386,7 +388,7 @@ def tp_shard(name: str, full: torch.Tensor, tp_size: int, tp_rank: int, partitio
     """
     if tp_size == 1:
         return full
-    if _is_glu(name) and partition_dim == 0:
+    if is_glu(name) and partition_dim == 0:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
     return full.chunk(tp_size, dim=partition_dim)[tp_rank]
@@ -396,7 +398,7 @@ def tp_merge(name: str, shards: list[torch.Tensor], partition_dim: int) -> torch
     """Inverse of :func:`tp_shard`: the full tensor from all TP ranks' shards (in rank order)."""
     if len(shards) == 1:
         return shards[0]
-    if _is_glu(name) and partition_dim == 0:
+    if is_glu(name) and partition_dim == 0:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)], 0)
     return torch.cat(shards, dim=partition_dim)

@@ -2,7 +2,12 @@
 
 * Stream (:func:`hf_weights`): this rank's parameters gathered over TP / expert-TP / EP (and, with
   ``all_stages``, broadcast over the pipeline group) into full tensors under HF names, one tensor at
-  a time. Weight sync sends it, the writer saves it.
+  a time. The writer saves it; the rank-0 weight sync (``rollout.weight_sync: rank0``) sends it.
+* Per-source stream (:func:`source_weights`, :func:`source_meta`, :class:`SyncSource`): what one
+  weight-sync source sends -- the (DP 0, TP 0) rank of each pipeline stage its stage's tensors, each
+  EP rank's (expert-DP 0, expert-TP 0) rank its own experts -- gathered over TP / expert-TP onto the
+  source only; nothing crosses the pipeline or expert-parallel group. Its metadata comes without
+  any gather, so every source's update is checked before a byte is sent.
 * Reader (:func:`load_hf`): every rank reads from a safetensors file, an HF directory or a mapping
   only the HF tensors its own shards need, and copies its TP / EP slice into the parameters.
 * Writer (:func:`write_hf_dir`): an HF model directory (``config.json`` or the base model's
@@ -32,7 +37,18 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron_acrl.megatron import convert
 from megatron_acrl.megatron.model import unwrap
 
-__all__ = ["HfSource", "ParamLayout", "hf_getter", "hf_weights", "load_hf", "write_hf_dir"]
+__all__ = [
+    "HfSource",
+    "ParamLayout",
+    "SyncSource",
+    "hf_getter",
+    "hf_weights",
+    "load_hf",
+    "source_meta",
+    "source_weights",
+    "sync_source",
+    "write_hf_dir",
+]
 
 HfSource = str | os.PathLike | Mapping[str, torch.Tensor]
 """A safetensors file, an HF model directory, or a mapping HF name -> full tensor."""
@@ -174,6 +190,164 @@ def _all_stage_weights(
                 full = full.contiguous()
                 dist.broadcast(full, src=src, group=pg.pp)
                 yield from to_hf(name, full)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-source stream (weight sync)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncSource:
+    """A rank that sends weights to the rollout servers itself: the (DP 0, TP 0) rank of a pipeline
+    stage (its dense tensors and its EP rank's experts), and with EP > 1 the (expert-DP 0,
+    expert-TP 0) rank of every other EP rank of the stage (its experts).
+
+    ``index`` runs over ``pp x ep`` sources, ``stage * ep + ep_rank``; source 0 is global rank 0."""
+
+    index: int
+    count: int
+    stage: int
+    stages: int
+    ep_rank: int
+    ep_size: int
+    rank: int
+
+    @property
+    def label(self) -> str:
+        """How errors and reports name it: ``stage 1/2, EP rank 0/2 (rank 2)``."""
+        ep = f", EP rank {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
+        return f"stage {self.stage}/{self.stages}{ep} (rank {self.rank})"
+
+
+def sync_source(layout: ParamLayout) -> SyncSource | None:
+    """This rank's :class:`SyncSource`, or None if it sends nothing itself."""
+    pg = layout.pg
+    moe = layout.num_experts > 0
+    ep = pg.ep.size() if moe else 1
+    dense = pg.tp.rank() == 0 and pg.dp.rank() == 0
+    expert = moe and pg.expt_tp.rank() == 0 and pg.expt_dp.rank() == 0
+    if not (dense or expert):
+        return None
+    ep_rank = pg.ep.rank() if moe else 0
+    if dense and ep_rank != 0:  # Megatron puts a stage's first rank at EP rank 0 (tp-cp-ep-dp order)
+        raise RuntimeError(f"the (DP 0, TP 0) rank of stage {pg.pp.rank()} is EP rank {ep_rank}, not 0")
+    pp = pg.pp.size()
+    return SyncSource(pg.pp.rank() * ep + ep_rank, pp * ep, pg.pp.rank(), pp, ep_rank, ep, dist.get_rank())
+
+
+def _full_shape(entry: _Entry, pg: ProcessGroupCollection) -> list[int]:
+    shape = list(entry.param.shape)
+    if getattr(entry.param, "tensor_model_parallel", False):
+        shape[entry.param.partition_dim] *= _tp_group(entry, pg).size()
+    return shape
+
+
+def _source_entries(model: list[torch.nn.Module], layout: ParamLayout) -> list[tuple[_Entry, str, bool]]:
+    """Every local parameter with the canonical name it is sent under and whether this rank's
+    group takes part in its gather: the dense ones in the DP-0 replica's TP group, experts (their
+    own EP rank's, global expert index) in the expert-DP-0 replica's expert-TP group."""
+    pg = layout.pg
+    ep_rank = pg.ep.rank() if layout.num_experts else 0
+    out = []
+    for e in _entries(model, layout):
+        if e.is_expert:
+            out.append((e, e.names[ep_rank], pg.expt_dp.rank() == 0))
+        else:
+            out.append((e, e.local_name, pg.dp.rank() == 0))
+    return out
+
+
+def source_meta(
+    model: list[torch.nn.Module], layout: ParamLayout, to_hf: ToHf
+) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(hf_name, shape, dtype)`` of every tensor :func:`source_weights` yields on this rank, in
+    order, without gathering anything (the conversion runs on meta tensors); empty on a rank that
+    is no :class:`SyncSource`."""
+    src = sync_source(layout)
+    if src is None:
+        return []
+    out = []
+    for e, name, mine in _source_entries(model, layout):
+        if not mine or _tp_group(e, layout.pg).rank() != 0:
+            continue
+        full = torch.empty(_full_shape(e, layout.pg), dtype=e.param.dtype, device="meta")
+        out += [(n, tuple(t.shape), t.dtype) for n, t in to_hf(name, full)]
+    return out
+
+
+def source_weights(
+    model: list[torch.nn.Module], layout: ParamLayout, to_hf: ToHf
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the ``(hf_name, full tensor)`` pairs this rank sends as a :class:`SyncSource` (nothing
+    on other ranks), one tensor at a time, exactly :func:`source_meta`'s list.
+
+    Every rank must iterate: the TP (expert-TP) shards are gathered onto the source rank of their
+    group. No tensor crosses the pipeline or expert-parallel group: each stage, and each EP rank's
+    experts, leave from where they live. The source holds one full tensor at a time, gathered
+    straight into its buffer where the layout allows (see :func:`_gather_to_source`)."""
+    pg = layout.pg
+    for e, name, mine in _source_entries(model, layout):
+        if not mine:
+            continue
+        full = _gather_to_source(e, _full_shape(e, pg), _tp_group(e, pg))
+        if full is not None:
+            yield from to_hf(name, full)
+        del full
+
+
+def _gather_to_source(entry: _Entry, shape: list[int], group: dist.ProcessGroup) -> torch.Tensor | None:
+    """The full tensor of ``entry`` on the group's rank 0 (None elsewhere), gathered over its TP
+    group (point to point within that group).
+
+    Shards along dim 0 are received straight into their rows of the full tensor (the GLU
+    ``linear_fc1`` as its gate and up halves); shards along another dim in row blocks of 1/size of
+    the tensor, each copied into its columns. Not ``dist.gather``: gloo's gathers a flat copy of all
+    shards first, a second full tensor. So the source holds at most 1 + 1/size tensors' bytes."""
+    t = entry.param.detach()
+    n = group.size()
+    if not getattr(entry.param, "tensor_model_parallel", False) or n == 1:
+        return t
+    dim = entry.param.partition_dim
+    if dim == 0:
+        halves = 2 if convert.is_glu(entry.local_name) else 1
+        parts = [p.contiguous() for p in t.chunk(halves, 0)]
+        if group.rank() != 0:
+            return _send_to_root(parts, group)
+        full = torch.empty(shape, dtype=t.dtype, device=t.device)
+        into = [list(h.chunk(n, 0)) for h in full.chunk(halves, 0)]  # into[half][rank]
+        _receive(parts, into, group)
+        return full
+    rows = t.shape[0]
+    block = -(-rows // n)
+    blocks = [t[r0 : r0 + block].contiguous() for r0 in range(0, rows, block)]
+    if group.rank() != 0:
+        return _send_to_root(blocks, group)
+    full = torch.empty(shape, dtype=t.dtype, device=t.device)
+    for b, part in zip(range(0, rows, block), blocks, strict=True):
+        bufs = [[torch.empty_like(part) for _ in range(n)]]
+        _receive([part], bufs, group)
+        for r, buf in enumerate(bufs[0]):
+            full[b : b + block].narrow(dim, r * part.shape[dim], part.shape[dim]).copy_(buf)
+        del bufs
+    return full
+
+
+def _send_to_root(parts: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """A non-root rank's side of :func:`_gather_to_source`: each part to the group's rank 0."""
+    for part in parts:
+        dist.send(part, dst=dist.get_global_rank(group, 0), group=group)
+
+
+def _receive(own: list[torch.Tensor], into: list[list[torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """The root's side: ``into[i][r]`` gets part ``i`` of group rank ``r`` (its own from ``own``)."""
+    for part, dests in zip(own, into, strict=True):
+        dests[0].copy_(part)
+        works = [
+            dist.irecv(d, src=dist.get_global_rank(group, r), group=group) for r, d in enumerate(dests) if r
+        ]
+        for w in works:
+            w.wait()
 
 
 # --------------------------------------------------------------------------------------------

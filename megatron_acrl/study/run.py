@@ -64,7 +64,7 @@ def shared_servers(grid: Grid, log_dir: Path, api_key: str) -> Iterator[dict[str
     if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
         yield {}
         return
-    from megatron_acrl.rollout_servers import resolve_device
+    from megatron_acrl.server_weights import resolve_device
     from sglang_bridge.server import ServerSpec, SGLangServer
 
     model_dir = server_model_dir(grid)

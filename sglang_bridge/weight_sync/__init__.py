@@ -18,6 +18,8 @@ thread), :mod:`~sglang_bridge.weight_sync.verify` (verify mode), and one file pe
 update: validate, open, send, close, or fail).
 """
 
+from sglang_bridge.weight_sync.buckets import StreamMismatchError
+from sglang_bridge.weight_sync.control import ControlStore
 from sglang_bridge.weight_sync.distributed import DistributedWeightSynchronizer
 from sglang_bridge.weight_sync.interface import (
     ReferenceLogprobs,
@@ -28,16 +30,20 @@ from sglang_bridge.weight_sync.interface import (
     WeightSyncTimeoutError,
 )
 from sglang_bridge.weight_sync.manifest import Manifest, ManifestMismatchError, TensorSpec
+from sglang_bridge.weight_sync.source import WeightSource
 from sglang_bridge.weight_sync.update_group import broadcast_async, create_update_group, host_update_store
 
 __all__ = [
+    "ControlStore",
     "DistributedWeightSynchronizer",
     "Manifest",
     "ManifestMismatchError",
     "ReferenceLogprobs",
+    "StreamMismatchError",
     "SyncReport",
     "TensorSpec",
     "VerifyReport",
+    "WeightSource",
     "WeightSyncError",
     "WeightSyncTimeoutError",
     "WeightSynchronizer",

@@ -1,109 +1,86 @@
 """The torch.distributed broadcast transport (gloo on CPU, NCCL on GPU):
 :class:`DistributedWeightSynchronizer`, through SGLang's ``/update_weights_from_distributed``.
 
-One update (:meth:`DistributedWeightSynchronizer.sync`), one lifecycle:
+One update (:meth:`DistributedWeightSynchronizer.sync`), one lifecycle, coordinated here once
+(:mod:`~sglang_bridge.weight_sync.lifecycle`) whatever the number of sources:
 
 1. validate every (name, shape, dtype) that will be sent against the served model's
-   :class:`~sglang_bridge.weight_sync.manifest.Manifest`. A materialised input (dict / list) is
-   checked completely before anything touches a server; a one-shot iterator is checked tensor by
-   tensor before its bucket is sent;
+   :class:`~sglang_bridge.weight_sync.manifest.Manifest`. Declared metadata (``meta``, or a dict /
+   list) is checked completely before anything touches a server -- with several sources, the
+   union of what every source declared, each problem naming its source; a one-shot iterator
+   without ``meta`` is checked tensor by tensor before its bucket is sent;
 2. open: pause generation -> ``/begin_weight_update`` (the radix cache is flushed by the last
    bucket's request);
 3. send: bucketed broadcasts, each bucket one ``/update_weights_from_distributed`` request in
-   ``flattened_bucket`` format (:mod:`~sglang_bridge.weight_sync.buckets`) plus one broadcast from
-   rank 0, pipelined one deep on gloo;
+   ``flattened_bucket`` format (:mod:`~sglang_bridge.weight_sync.buckets`) plus one broadcast,
+   pipelined one deep on gloo (:mod:`~sglang_bridge.weight_sync.inflight`). With several sources
+   (``sources > 1``: one per pipeline stage and expert-parallel rank of a trainer), each source
+   broadcasts its own buckets on its own update group (:mod:`~sglang_bridge.weight_sync.source`);
+   this coordinator, source 0, posts every bucket's request in one order for all servers
+   (:func:`~sglang_bridge.weight_sync.plan.interleave`) and the sources say when their broadcast was
+   joined, over a :class:`~sglang_bridge.weight_sync.control.ControlStore`;
 4. close: ``/end_weight_update`` (SGLang's post-load processing) -> ``/update_weight_version`` ->
    continue.
 
 The version is advanced only after ``end_weight_update`` succeeded. If anything fails after the open
 the update fails: the servers stay *paused* (never generating on half-updated weights) and
-:class:`WeightSyncError` says so; calling ``sync`` again with a full set of weights is safe and
-resumes generation (after a :class:`WeightSyncTimeoutError`, a server that did not answer in time,
-through a new synchronizer).
+:class:`WeightSyncError` says so and names the source; calling ``sync`` again with a full set of
+weights is safe and resumes generation (after a :class:`WeightSyncTimeoutError`, or a failure of an
+update with several sources, through a new synchronizer).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from sglang_bridge.client import PauseMode, SGLangClient, SGLangHTTPError
+from sglang_bridge.client import PauseMode
 from sglang_bridge.fp8 import Fp8Scheme, Fp8Workspace
 from sglang_bridge.weight_sync.buckets import (
     Bucket,
     BucketPacker,
     SendBuffers,
+    StreamMismatchError,
     WireEntry,
     bucket_limit,
-    group_entries,
+    grouped_buckets,
+    planned_buckets,
     wire_entry,
     wire_meta,
 )
+from sglang_bridge.weight_sync.control import ControlStore
+from sglang_bridge.weight_sync.inflight import InFlight
 from sglang_bridge.weight_sync.interface import (
     ReferenceLogprobs,
     SyncReport,
     VerifyReport,
     WeightSyncError,
     WeightSynchronizer,
-    WeightSyncTimeoutError,
 )
+from sglang_bridge.weight_sync.lifecycle import Update, UpdateLifecycle
 from sglang_bridge.weight_sync.manifest import Manifest, ManifestMismatchError
+from sglang_bridge.weight_sync.plan import BucketLayout, InputMeta, interleave, plan_buckets, scheme_to_json
+from sglang_bridge.weight_sync.remote import RemoteSources
 from sglang_bridge.weight_sync.server_calls import ServerCalls
-from sglang_bridge.weight_sync.update_group import broadcast_async, create_update_group, host_update_store
+from sglang_bridge.weight_sync.update_group import create_update_group, host_update_store
 from sglang_bridge.weight_sync.verify import compare_logprobs, verify_params
 
 log = logging.getLogger(__name__)
 
-_NOT_FLUSHED = "cache was not flushed"
-"""SGLang's answer when a bucket loaded but its flush found requests still being retracted."""
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
-@dataclass
-class _InFlight:
-    """A bucket on its way: the servers' answers (``fut``), the broadcast (``work``), the send buffer
-    it occupies (``idx``), ``answered_at``, the ``perf_counter`` time every server had answered
-    (0 until then), and ``loaded``, set once every server's answer was checked."""
-
-    bucket: Bucket
-    idx: int
-    fut: concurrent.futures.Future[Any]
-    work: dist.Work
-    answered_at: float = 0.0
-    loaded: bool = False
-
-
-@dataclass
-class _Update:
-    """One sync from open to close or fail: what it sends, its timings, the buckets still on their
-    way (sent, not yet loaded by every server: at most two) and what has been sent so far."""
-
-    version: str
-    checked: bool
-    """The whole input was validated up front (else each tensor is checked as it is packed)."""
-    t0: float
-    timings: dict[str, float]
-    inflight: list[_InFlight] = field(default_factory=list)
-    sent: set[str] = field(default_factory=set)
-    n_tensors: int = 0
-    n_bytes: int = 0
-    n_buckets: int = 0
-    t_send: float = 0.0
-    """``perf_counter`` time the first bucket was asked for."""
-
-
-class DistributedWeightSynchronizer(WeightSynchronizer):
+class DistributedWeightSynchronizer(UpdateLifecycle, WeightSynchronizer):
     """Weight sync through ``/update_weights_from_distributed`` to one or many SGLang servers.
 
     The trainer is rank 0 of a group with every server's TP ranks (``world = 1 + sum(server_tp)``):
@@ -115,6 +92,12 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
     ``fp8``: None sends tensors as given; with a scheme, quantizable weights are FP8-quantized on the
     way ("real": e4m3 + scales, for an FP8 server) or fake-quantized ("fake": FP8-rounded values in
     the original dtype, for a bf16 CPU server; reported as ``fp8="fake-quant"``).
+
+    ``sources > 1``: this synchronizer is source 0 (``source_label`` names it) and coordinates the
+    other ``sources - 1`` :class:`~sglang_bridge.weight_sync.source.WeightSource` s, which joined
+    ``control``. Each has its own update group with every server (SGLang receives only from group
+    rank 0), formed at its first sync after this synchronizer connected; every server's TP rank is
+    then in ``sources`` groups, each of ``1 + sum(server_tp)`` ranks, at the same rank offset.
     """
 
     def __init__(
@@ -135,6 +118,9 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         pause_mode: PauseMode = "retract",
         require_complete: bool = True,
         timeout_s: float = 300.0,
+        sources: int = 1,
+        control: ControlStore | None = None,
+        source_label: str = "",
     ):
         self.urls = list(urls)
         if not self.urls:
@@ -155,6 +141,12 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         self.pause_mode = pause_mode
         self.require_complete = require_complete
         self.timeout_s = timeout_s
+        if sources < 1 or (sources > 1 and control is None):
+            raise ValueError(f"sources={sources}: give at least 1, and a control store for more than 1")
+        self.sources = sources
+        self.control = control
+        self.source_label = source_label or ("source 0" if sources > 1 else "")
+        self._remote: RemoteSources | None = None
         self.version: str | None = None
         self.group: dist.ProcessGroup | None = None
         self._dirty = False  # servers paused on partially updated weights
@@ -213,6 +205,19 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         for url, r in zip(self.urls, results, strict=True):
             if not (isinstance(r, dict) and r.get("success")):
                 raise WeightSyncError(f"{url} refused /init_weights_update_group: {r}")
+        if self.sources > 1:
+            assert self.control is not None
+            # A new generation of groups: the remote sources join it at their next sync.
+            self._remote = RemoteSources(
+                self.control,
+                self.sources,
+                self._calls,
+                group_base=self.group_name,
+                world=world,
+                offsets=offsets,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+            )
         log.info(
             "weight-update group %s ready: backend=%s world=%d servers=%s",
             self.group_name,
@@ -227,6 +232,8 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         if self.group is not None:
             try:
                 self._calls.all("destroy_weights_update_group", self.group_name)
+                if self._remote is not None:
+                    self._remote.destroy()
             except Exception as e:  # a dead server must not block the trainer's shutdown
                 log.warning("destroy_weights_update_group failed: %s", e)
             dist.destroy_process_group(self.group)
@@ -234,13 +241,24 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         self._calls.close()
 
     # -- validation -----------------------------------------------------------------------
+    def _wire(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list:
+        return wire_meta(name, shape, dtype, self.fp8, self.fp8_mode)
+
     def validate(self, meta: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
         """Raise :class:`ManifestMismatchError` listing every input tensor that would not match."""
-        outs = (o for n, s, d in meta for o in wire_meta(n, tuple(s), d, self.fp8, self.fp8_mode))
+        outs = (o for n, s, d in meta for o in self._wire(n, tuple(s), d))
         self.manifest.validate(outs, require_complete=self.require_complete)
 
+    def _validate_cached(self, meta: Sequence[InputMeta]) -> None:
+        """:meth:`validate`, skipped for the same names / shapes / dtypes as the last set that passed
+        (a trainer sends the same every step) under the same manifest and FP8 settings."""
+        key = (id(self.manifest), self.fp8, self.fp8_mode, self.require_complete, tuple(meta))
+        if key != self._validated:
+            self.validate(meta)
+            self._validated = key
+
     def _validated_input(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+        self, named_tensors: NamedTensors
     ) -> tuple[Iterable[tuple[str, torch.Tensor]], bool]:
         """The input as ``(name, tensor)`` pairs, and whether it was validated whole (a dict / list:
         checked before anything touches a server; a one-shot iterator is checked as it streams)."""
@@ -248,13 +266,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         if not isinstance(items, Sequence | type({}.items())):
             return items, False
         items = list(items)
-        # A trainer sends the same names / shapes / dtypes every step: checked once, then only
-        # compared with the last set that passed (under the same manifest and FP8 settings).
-        meta = tuple((n, tuple(t.shape), t.dtype) for n, t in items)
-        key = (id(self.manifest), self.fp8, self.fp8_mode, self.require_complete, meta)
-        if key != self._validated:
-            self.validate(meta)
-            self._validated = key
+        self._validate_cached([(n, tuple(t.shape), t.dtype) for n, t in items])
         return items, True
 
     def _stream_entry(self, name: str, t: torch.Tensor, checked: bool) -> WireEntry:
@@ -269,36 +281,60 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
     def _bucket_limit(self, k: int) -> int:
         return bucket_limit(k, self.first_bucket_bytes, self.bucket_bytes)
 
+    def _plan(self, meta: Iterable[InputMeta]) -> list[BucketLayout]:
+        return plan_buckets(meta, self._wire, self._bucket_limit)
+
     # -- sync: validate, then open / send / close, or fail ---------------------------------
     def sync(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        named_tensors: NamedTensors,
         version: str,
         *,
         quantize: bool = True,
+        meta: Iterable[tuple[str, Sequence[int], torch.dtype]] | None = None,
     ) -> SyncReport:
-        if self.group is None:
-            raise WeightSyncError("not connected: call connect() first")
+        """See :meth:`WeightSynchronizer.sync`. ``meta``: the ``(name, shape, dtype)`` of every
+        tensor ``named_tensors`` will yield, in order (a trainer knows them before gathering
+        anything): checked whole before any server is touched, and each tensor is then written into
+        its place in a send buffer as it streams (besides the two buffers only the tensor in hand is
+        held). Needed with several sources unless ``named_tensors`` is a dict / list."""
+        try:
+            if self.group is None:
+                raise WeightSyncError("not connected: call connect() first")
+            if not quantize and self.fp8 is not None:
+                if self.fp8_mode == "real":
+                    raise WeightSyncError(
+                        "quantize=False: the servers hold real FP8 weights (fp8_mode='real') and cannot "
+                        "take unquantized ones; only a fake-quant (bf16) server can"
+                    )
+        except WeightSyncError as e:
+            if self.control is not None and self.sources > 1:
+                RemoteSources.refuse(self.control, str(e))  # the sources wait for this sync
+            raise
         if not quantize and self.fp8 is not None:
-            if self.fp8_mode == "real":
-                raise WeightSyncError(
-                    "quantize=False: the servers hold real FP8 weights (fp8_mode='real') and cannot take "
-                    "unquantized ones; only a fake-quant (bf16) server can"
-                )
             # The FP8 scheme is part of the validation key and of every packing decision: this one
             # sync runs without it, and the synchronizer is back to quantizing afterwards.
             scheme, self.fp8 = self.fp8, None
             try:
-                return self.sync(named_tensors, version)
+                return self.sync(named_tensors, version, meta=meta)
             finally:
                 self.fp8 = scheme
+        if self._remote is not None:
+            return self._sync_sources(named_tensors, version, meta)
         t0 = time.perf_counter()
-        items, checked = self._validated_input(named_tensors)
-        u = _Update(version, checked, t0, {"validate": time.perf_counter() - t0})
+        if meta is not None:
+            declared = [(n, tuple(s), d) for n, s, d in meta]
+            self._validate_cached(declared)
+            entry = functools.partial(self._stream_entry, checked=True)
+            produce = planned_buckets(named_tensors_items(named_tensors), self._plan(declared), entry)
+            checked = True
+        else:
+            items, checked = self._validated_input(named_tensors)
+            entry = functools.partial(self._stream_entry, checked=checked)
+            produce = grouped_buckets(items, entry, self._bucket_limit)
+        u = Update(version, checked, t0, {"validate": time.perf_counter() - t0})
         # The packer starts on bucket 0 now, overlapping the pause / begin round trips.
-        entry = functools.partial(self._stream_entry, checked=checked)
-        groups = functools.partial(group_entries, items, entry, self._bucket_limit)  # (stop) -> groups
-        packer = BucketPacker(groups, self._send_buffers, self._fp8_ws)
+        packer = BucketPacker(produce, self._send_buffers, self._fp8_ws)
         try:
             self._open_update(u)
             try:
@@ -310,23 +346,7 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         finally:
             packer.shutdown()
 
-    def _open_update(self, u: _Update) -> None:
-        """Pause generation and open the servers' update session (``/begin_weight_update``)."""
-        t = time.perf_counter()
-        self._calls.all("pause_generation", self.pause_mode)
-        self._dirty = True
-        u.timings["pause"] = time.perf_counter() - t
-        # No separate /flush_cache here: the last bucket's request flushes the radix cache after
-        # loading (nothing generates while paused, so stale KV is never read in between). The HTTP
-        # /flush_cache also runs a full gc.collect() of the server heap on CPU SGLang (its
-        # empty_cache), ~0.5 s that has nothing to do with the cache; the request's flush skips it.
-        t = time.perf_counter()
-        self._begin()
-        u.timings["begin"] = time.perf_counter() - t
-        for k in ("quantize", "pack", "wire", "wait"):
-            u.timings[k] = 0.0
-
-    def _send_update(self, u: _Update, packer: BucketPacker) -> None:
+    def _send_update(self, u: Update, packer: BucketPacker) -> None:
         """Send every bucket the packer prepares, pipelined one deep (see :meth:`_await_joined`)."""
         u.t_send = time.perf_counter()
         buckets = packer.buckets()
@@ -352,219 +372,122 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
                 # the servers load the bucket (the trainer's core is otherwise idle then).
                 packer.release(u.inflight[-1].idx)
                 u.timings["wire"] += time.perf_counter() - tw
-                bucket = item[0]
-                u.timings["quantize"] += bucket.seconds["fp8"]
-                u.timings["pack"] += bucket.seconds["copy"]
-                u.n_tensors += len(bucket.names)
-                u.n_buckets += 1
-                u.sent.update(bucket.names)
+                self._account(u, item[0], item[0].layout.inputs, "")
 
-    def _close_update(self, u: _Update) -> None:
-        """Check a streamed update was complete, close the session (``/end_weight_update``, once
-        every bucket is loaded) and set the servers' weight version."""
-        if not u.checked and self.require_complete:
-            missing = set(self.manifest.tensors) - u.sent
-            if missing:
-                raise ManifestMismatchError(
-                    f"stream ended without {len(missing)} served weights, e.g. {sorted(missing)[:5]}"
-                )
-        tw = time.perf_counter()
-        end = None
-        if u.inflight:
-            # Pipelined like a bucket (the last one was joined above): /end_weight_update waits
-            # in the servers behind it (the tokenizer manager serialises both on is_pause_cond).
-            # If that bucket fails, the session is closed on partial weights: still paused, and
-            # a retry opens a new one.
-            end = self._calls.submit_all("end_weight_update")
-        while u.inflight:
-            u.n_bytes += self._finish_bucket(u.inflight[0])
-            u.inflight.pop(0)
-        u.timings["wire"] += time.perf_counter() - tw
-        u.timings["buckets"] = time.perf_counter() - u.t_send
-        t = time.perf_counter()
-        if end is None:
-            if self.pause_mode != "in_place":  # nothing sent (an empty partial update): drop stale KV
-                self._calls.all("flush_cache")
-            end = self._calls.submit_all("end_weight_update")
+    @staticmethod
+    def _account(u: Update, bucket: Bucket | BucketLayout, inputs: Sequence[Any], source: str) -> None:
+        if isinstance(bucket, Bucket):
+            u.timings["quantize"] += bucket.seconds["fp8"]
+            u.timings["pack"] += bucket.seconds["copy"]
+        u.n_tensors += len(inputs)
+        u.n_buckets += 1
+        u.sent.update(bucket.names)
+        if source:
+            u.source_bytes[source] = u.source_bytes.get(source, 0) + bucket.nbytes
+
+    # -- several sources ------------------------------------------------------------------
+    def _settings(self, version: str) -> dict[str, Any]:
+        """What a remote source needs to pack exactly as this coordinator plans (JSON)."""
+        return {
+            "version": version,
+            "fp8": scheme_to_json(self.fp8),
+            "fp8_mode": self.fp8_mode,
+            "bucket_bytes": self.bucket_bytes,
+            "first_bucket_bytes": self.first_bucket_bytes,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+
+    def _sync_sources(self, named_tensors: NamedTensors, version: str, meta: Iterable | None) -> SyncReport:
+        """One update from every source: their declared tensors checked together before anything
+        is sent, then every source's buckets in one order, then close, or fail naming the source."""
+        remote = self._remote
+        assert remote is not None
+        t0 = time.perf_counter()
+        seq = remote.start(self._settings(version))
         try:
-            ends = end.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError as e:
-            raise WeightSyncTimeoutError(f"end_weight_update not answered after {self.timeout_s}s") from e
-        for url, r in zip(self.urls, ends, strict=True):
-            if not (isinstance(r, dict) and r.get("success")):
-                raise WeightSyncError(f"{url} end_weight_update failed: {r}")
-        self._calls.all("update_weight_version", u.version)
-        u.timings["end_version"] = time.perf_counter() - t
-
-    def _fail_update(self, u: _Update, error: BaseException) -> WeightSyncError:
-        """The error an update that failed after its open raises: the servers stay paused, and it
-        says how to recover (a timeout: through a new synchronizer; else: sync again)."""
-        if isinstance(error, Exception):
-            self._drain(u.inflight, error)
-        timed_out = isinstance(error, TimeoutError)
-        return (WeightSyncTimeoutError if timed_out else WeightSyncError)(
-            f"weight update to {u.version!r} failed after {u.n_buckets} buckets: {error}\n"
-            f"servers {self.urls} are left PAUSED (generation would run on partially updated weights); "
-            + (
-                "a server did not answer in time: close() this synchronizer and connect() a new "
-                "one (a server that is merely slow may still act on what was sent), then sync again"
-                if timed_out
-                else "call sync() again with the full weights to recover"
+            remote.connect_pending()  # a source new in this generation joins its group first
+            own = declared_meta(named_tensors, meta)
+            layouts = {0: self._plan(own), **{s: self._plan(m) for s, m in remote.metas(seq).items()}}
+            labels = {0: self.source_label, **remote.labels}
+            outs = {labels[s]: [o for b in ls for o in b.slots] for s, ls in layouts.items()}
+            self.manifest.validate_sources(
+                {k: [(n, sh, d) for n, sh, d, _ in v] for k, v in outs.items()},
+                require_complete=self.require_complete,
             )
+            order = interleave({s: len(ls) for s, ls in layouts.items()})
+        except BaseException as e:
+            remote.go(seq, error=f"{type(e).__name__}: {e}")
+            raise
+        remote.go(seq, slots={s: [r for r, (s2, _) in enumerate(order) if s2 == s] for s in layouts if s})
+        u = Update(version, True, t0, {"validate": time.perf_counter() - t0}, reconnect=True)
+        entry = functools.partial(self._stream_entry, checked=True)
+        packer = BucketPacker(
+            planned_buckets(named_tensors_items(named_tensors), layouts[0], entry),
+            self._send_buffers,
+            self._fp8_ws,
         )
-
-    def _resume_generation(self, u: _Update) -> SyncReport:
-        """The update is complete: its version is the servers', and they may generate again."""
-        self.version = u.version
-        self._dirty = False
-        t = time.perf_counter()
-        self._calls.all("continue_generation")
-        u.timings["continue"] = time.perf_counter() - t
-        report = SyncReport(
-            u.version,
-            u.n_tensors,
-            u.n_bytes,
-            u.n_buckets,
-            time.perf_counter() - u.t0,
-            self.fp8_label,
-            u.timings,
-        )
-        log.info(
-            "weight sync %s: %d tensors, %.1f MB, %d buckets, %.3fs (fp8=%s)",
-            u.version,
-            u.n_tensors,
-            u.n_bytes / 1e6,
-            u.n_buckets,
-            report.seconds,
-            report.fp8,
-        )
+        posted = 0
+        try:
+            self._open_update(u)
+            try:
+                posted = self._send_slots(u, seq, order, layouts, packer)
+                self._close_update(u)
+            except BaseException as e:
+                raise self._fail_update(u, e) from e
+            report = self._resume_generation(u)
+        except BaseException as e:
+            unposted = [r for r in range(posted, len(order)) if order[r][0]]
+            remote.finish(seq, error=f"{type(e).__name__}: {e}", unposted=unposted)
+            raise
+        finally:
+            packer.shutdown()
+        remote.finish(seq)
         return report
 
-    # -- one bucket ---------------------------------------------------------------------------
-    def _post_bucket(self, bucket: Bucket, idx: int) -> _InFlight:
-        """Send ``bucket``: one request per server and the broadcast they will join."""
-        assert self.group is not None
-        fut = self._calls.submit_all(
-            "update_weights_from_distributed",
-            bucket.names,
-            bucket.dtypes,
-            bucket.shapes,
-            self.group_name,
-            load_format="flattened_bucket",
-            # The last bucket's request also resets the radix cache / KV pools once every weight
-            # is in (see _open_update()); not under an in_place pause, whose requests keep their KV.
-            flush_cache=bucket.last and self.pause_mode != "in_place",
-        )
-        work = broadcast_async(bucket.flat, self.group)
-        f = _InFlight(bucket, idx, fut, work)
-        fut.add_done_callback(lambda _: setattr(f, "answered_at", time.perf_counter()))
-        return f
+    def _send_slots(
+        self,
+        u: Update,
+        seq: int,
+        order: Sequence[tuple[int, int]],
+        layouts: Mapping[int, Sequence[BucketLayout]],
+        packer: BucketPacker,
+    ) -> int:
+        """Every source's buckets in ``order``, pipelined one deep like :meth:`_send_update`: this
+        synchronizer's own from its packer, a remote source's by posting its request and waiting for
+        the source to say every server joined its broadcast. Returns the slots posted."""
+        assert self._remote is not None
+        u.t_send = time.perf_counter()
+        local: Iterator[tuple[Bucket, int]] = packer.buckets()
+        posted = 0
+        with contextlib.closing(local):
+            for r, (s, k) in enumerate(order):
+                tw = time.perf_counter()
+                last = r == len(order) - 1
+                if s == 0:
+                    try:
+                        bucket, idx = next(local)
+                    except StreamMismatchError as e:
+                        raise StreamMismatchError(f"{self.source_label}: {e}") from e
+                    bucket.last = last
+                    f = self._post_bucket(bucket, idx)
+                    f.source, f.slot = self.source_label, r
+                else:
+                    f = self._remote.post(seq, s, r, layouts[s][k], last and self.pause_mode != "in_place")
+                posted = r + 1
+                u.inflight.append(f)
+                if len(u.inflight) == 2:
+                    u.n_bytes += self._finish_bucket(u.inflight.pop(0))
+                self._await_joined(f)
+                if s == 0:
+                    packer.release(f.idx)
+                u.timings["wire"] += time.perf_counter() - tw
+                self._account(u, f.bucket, layouts[s][k].inputs, f.source)
+        return posted
 
-    def _await_joined(self, f: _InFlight) -> None:
-        """Block until every server has joined ``f``'s broadcast (or one refused the bucket).
-
-        A server handles update requests one at a time, in the order they arrive. A request sent
-        while the previous one is still being transferred or loaded waits in the server instead of
-        behind a round trip through the trainer; but only once every server has *joined* the previous
-        broadcast (the trainer's side of a broadcast completes only then) is it certain that the
-        previous request arrived first, so that no server pairs a bucket's bytes with another
-        bucket's layout."""
-        if self.backend != "gloo":
-            # An NCCL root can finish a broadcast small enough for the peers' staging buffers before
-            # they join it, so only their answer proves the order there: not pipelined.
-            self._finish_bucket(f)
-            return
-        # gloo's root finishes a broadcast only once every receiver has joined it, whatever its size
-        # (checked by tests/bridge/test_weight_sync.py). Polled: with a done-callback on the
-        # broadcast's future instead, every transfer on the group was slower (the benchmark's raw
-        # transfers: 0.16-0.18 s with it, 0.13 s without, in alternating runs).
-        deadline = time.monotonic() + self.timeout_s
-        while not (f.work.is_completed() or f.fut.done()):
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeoutError(f"bucket not received after {self.timeout_s}s")
-            time.sleep(0.0005)
-        if not f.work.is_completed():
-            # A server answered first: a refusal (it never joins), which this raises with the
-            # server's answer; or the broadcast is a moment from being marked done.
-            self._finish_bucket(f)
-            return
-        try:
-            f.work.wait()  # completed: returns at once, or raises why the broadcast failed
-        except Exception as e:
-            # Completed by failing: the group's own timeout (also timeout_s) can end a broadcast a
-            # server never joined before the deadline above does. Not joined, so nothing more is sent.
-            if f.fut.done():
-                self._finish_bucket(f)  # the servers' answers say why
-            raise WeightSyncTimeoutError(f"bucket not received after {self.timeout_s}s ({e})") from e
-
-    def _finish_bucket(self, f: _InFlight, timeout_s: float | None = None) -> int:
-        """Wait (up to ``timeout_s``, default :attr:`timeout_s`) for every server to have loaded
-        ``f``'s bucket; returns its bytes. Once only: a bucket already checked (by
-        :meth:`_await_joined`) is not waited on or flushed again."""
-        if f.loaded:
-            return f.bucket.nbytes
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        # Wait on the servers' answers, never blindly on the broadcast: a server answers only after
-        # it has received and loaded the bucket, or with an error if it refused it (then it never
-        # joins the broadcast, which would wait forever).
-        try:
-            results = f.fut.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError as e:
-            raise WeightSyncTimeoutError(f"bucket not loaded after {timeout_s:g}s") from e
-        except Exception as e:
-            raise WeightSyncError(
-                f"a server failed the bucket: {e}; the update group is now unusable (reconnect)"
-            ) from e
-        loaded = [
-            isinstance(r, dict) and (r.get("success") or _NOT_FLUSHED in r.get("message", ""))
-            for r in results
-        ]
-        if all(loaded):
-            f.work.wait(timeout=timedelta(seconds=max(timeout_s, 1.0)))  # done: all received it
-        for url, c, r, ok in zip(self.urls, self._calls.clients, results, loaded, strict=True):
-            if ok and not r.get("success"):
-                # Loaded, but requests were still being retracted: flush on its own, with retries.
-                self._calls.run(c.flush_cache())
-            elif not (isinstance(r, dict) and r.get("success")):
-                raise WeightSyncError(
-                    f"{url} failed to load bucket {f.bucket.names[:3]}...: {r}; "
-                    "the update group may be unusable (reconnect)"
-                )
-        f.loaded = True
-        return f.bucket.nbytes
-
-    def _drain(self, inflight: list[_InFlight], error: Exception) -> None:
-        """After ``error``, let the buckets still on their way land, so that a retry's requests
-        cannot overtake them; all of them share one :attr:`timeout_s`.
-
-        Skipped after a timeout: a server that did not answer in time is not expected to answer the
-        rest, and the recovery is a new group anyway (:class:`WeightSyncTimeoutError`)."""
-        if isinstance(error, TimeoutError):
-            return
-        deadline = time.monotonic() + self.timeout_s
-        for f in inflight:
-            with contextlib.suppress(Exception):
-                self._finish_bucket(f, max(0.0, deadline - time.monotonic()))
-
-    def _begin(self) -> None:
-        async def begin(c: SGLangClient) -> Any:
-            try:
-                return await c.begin_weight_update()
-            except SGLangHTTPError as e:
-                # A failed earlier update left its session open: ours continues it (retry path).
-                if e.status == 400 and "already open" in e.body:
-                    log.warning(
-                        "%s: weight-update session still open from a failed update; reusing it", c.url
-                    )
-                    return {"success": True}
-                raise
-
-        async def go() -> list[Any]:
-            return list(await asyncio.gather(*(begin(c) for c in self._calls.clients)))
-
-        for url, r in zip(self.urls, self._calls.run(go()), strict=True):
-            if not (isinstance(r, dict) and r.get("success")):
-                raise WeightSyncError(f"{url} begin_weight_update failed: {r}")
+    def _await_remote(self, f: InFlight) -> None:
+        assert self._remote is not None
+        self._remote.await_joined(self._remote.seq, f, self._finish_bucket)
 
     # -- verify ---------------------------------------------------------------------------
     def verify(
@@ -584,3 +507,22 @@ class DistributedWeightSynchronizer(WeightSynchronizer):
         params = verify_params(max_new_tokens, temperature)
         groups = self._calls.run(self._calls.clients[0].generate([list(p) for p in prompts], params, n=1))
         return compare_logprobs([g[0] for g in groups], reference)
+
+
+def named_tensors_items(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of a mapping or an iterable of pairs."""
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def declared_meta(named_tensors: NamedTensors, meta: Iterable | None) -> list[InputMeta]:
+    """``meta`` as a list, or the metadata of a dict / list of tensors; a one-shot stream must
+    declare its tensors up front (``meta``) when several sources send together."""
+    if meta is not None:
+        return [(n, tuple(s), d) for n, s, d in meta]
+    items = named_tensors_items(named_tensors)
+    if not isinstance(items, Sequence | type({}.items())):
+        raise WeightSyncError(
+            "a sync with several sources checks every source's tensors before anything is sent: pass "
+            "meta=[(name, shape, dtype), ...] with a one-shot stream"
+        )
+    return [(n, tuple(t.shape), t.dtype) for n, t in items]

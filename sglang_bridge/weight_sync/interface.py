@@ -30,6 +30,8 @@ class SyncReport:
     fp8: str
     """"none", "real" (FP8 tensors sent) or "fake-quant" (FP8-rounded bf16 sent to a bf16 server)."""
     timings: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)
+    """Bytes each source sent, by its label (a sync with several sources; empty with one)."""
 
     @property
     def gbytes_per_s(self) -> float:

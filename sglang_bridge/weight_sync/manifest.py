@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,19 +114,34 @@ class Manifest:
     ) -> None:
         """Raise :class:`ManifestMismatchError` listing every tensor of ``outs`` (what will be sent,
         after the FP8 step) that would not match, sent twice, or (``require_complete``) missing."""
+        self.validate_sources({"": outs}, require_complete=require_complete)
+
+    def validate_sources(
+        self,
+        outs: Mapping[str, Iterable[tuple[str, Sequence[int], torch.dtype]]],
+        *,
+        require_complete: bool,
+    ) -> None:
+        """:meth:`validate` for an update several sources send together: ``outs`` maps each source's
+        label (e.g. ``stage 1``) to what it will send. Every served weight must come exactly once,
+        from whichever source; each problem names the source(s) it comes from."""
         errors: list[str] = []
-        seen: set[str] = set()
-        for name, shape, dtype in outs:
-            if name in seen:
-                errors.append(f"{name}: sent twice")
-            seen.add(name)
-            if (err := self.check(name, shape, dtype)) is not None:
-                errors.append(err)
+        seen: dict[str, str] = {}
+        for label, items in outs.items():
+            where = f"{label}: " if label else ""
+            for name, shape, dtype in items:
+                if name in seen:
+                    also = f" (also sent by {seen[name]})" if seen[name] != label else ""
+                    errors.append(f"{where}{name}: sent twice{also}")
+                seen.setdefault(name, label)
+                if (err := self.check(name, shape, dtype)) is not None:
+                    errors.append(where + err)
         if require_complete and not errors:
-            missing = sorted(set(self.tensors) - seen)
+            missing = sorted(set(self.tensors) - set(seen))
             if missing:
+                by = f" from any of {', '.join(outs)}" if len(outs) > 1 else ""
                 errors.append(
-                    f"{len(missing)} served weights not in the update (a partial update would mix "
+                    f"{len(missing)} served weights not in the update{by} (a partial update would mix "
                     f"versions; pass require_complete=False for that): {missing[:5]}"
                 )
         if errors:

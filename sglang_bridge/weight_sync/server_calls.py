@@ -17,6 +17,7 @@ class ServerCalls:
     """The clients of ``urls`` on their own event-loop thread; :meth:`close` stops it (idempotent)."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None, timeout_s: float):
+        self.urls = list(urls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
         self._thread.start()

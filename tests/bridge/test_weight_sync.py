@@ -31,11 +31,11 @@ from sglang_bridge.weight_sync import (
     WeightSyncError,
     WeightSyncTimeoutError,
     broadcast_async,
-    distributed,
     host_update_store,
+    inflight,
 )
 from sglang_bridge.weight_sync.buckets import Bucket, wire_entry
-from sglang_bridge.weight_sync.distributed import _InFlight
+from sglang_bridge.weight_sync.inflight import InFlight as _InFlight
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -311,13 +311,13 @@ def test_drain_after_a_failure_shares_one_timeout_and_skips_after_a_timeout(
     """Buckets still in flight after a failure are waited for (so a retry cannot overtake them)
     within one shared ``timeout_s``, not ``timeout_s`` each; after a timeout not at all."""
     clock = [100.0]
-    monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(inflight, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     sync = DistributedWeightSynchronizer(["http://127.0.0.1:9"], manifest, timeout_s=10)
     try:
         bucket = Bucket([], torch.empty(0, dtype=torch.uint8))
         futs = [_CountingFuture(clock) for _ in range(2)]
-        inflight = [_InFlight(bucket, i, f, None) for i, f in enumerate(futs)]  # type: ignore[arg-type]
-        sync._drain(inflight, error)
+        flights = [_InFlight(bucket, i, f, None) for i, f in enumerate(futs)]  # type: ignore[arg-type]
+        sync._drain(flights, error)
     finally:
         sync.close()
     waits = [w for f in futs for w in f.waits]

@@ -15,7 +15,18 @@ from bridge_helpers import run_benchmark
 def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_path: Path) -> None:
     proc = run_benchmark(
         "weight_sync.py",
-        *("--work-dir", str(tmp_path), "--layers", "1", "--hidden", "128", "--vocab", "512"),
+        *(
+            "--work-dir",
+            str(tmp_path),
+            "--layout",
+            "pp1",
+            "--layers",
+            "1",
+            "--hidden",
+            "128",
+            "--vocab",
+            "512",
+        ),
         *("--reps", "2", "--first-bucket-mb", "0.1"),
         timeout=1200,
     )
@@ -35,6 +46,47 @@ def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_pa
     assert len(re.findall(r"^\[shared\] rep \d+: raw .* \d+ buckets fp8=fake-quant", proc.stdout, re.M)) == 2
     assert len(re.findall(r"^\[split\] rep \d+: raw .* \d+ buckets fp8=fake-quant", proc.stdout, re.M)) == 2
     assert (tmp_path / "sglang-split.log").is_file() and (tmp_path / "sglang-shared.log").is_file()
+
+
+def test_benchmark_layouts_smoke_run_ends_with_each_layouts_goal_figures(tmp_path: Path) -> None:
+    """``--smoke --layout pp2,ep2``: both real Megatron layouts (torchrun, gloo) against real
+    servers, the rank-0 path and the per-source path alternating; the goal lines come last."""
+    proc = run_benchmark(
+        "weight_sync.py", "--smoke", "--layout", "pp2,ep2", "--work-dir", str(tmp_path), timeout=1500
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert [line.rsplit(":", 1)[0] for line in lines[-4:]] == [
+        "busiest rank bytes share [pp2]",
+        "per-source sync time ratio [pp2]",
+        "busiest rank bytes share [ep2]",
+        "per-source sync time ratio [ep2]",
+    ]
+    figures = {line.rsplit(":", 1)[0]: float(line.rsplit(": ", 1)[1]) for line in lines[-4:]}
+    # Bytes are not wall-clock: the busiest source sends about one stage's (one EP rank's) share.
+    assert 0.3 < figures["busiest rank bytes share [pp2]"] <= 0.55, figures
+    assert 0.3 < figures["busiest rank bytes share [ep2]"] < 1.0, figures
+    assert figures["per-source sync time ratio [pp2]"] > 0
+    assert len(re.findall(r"^\[pp2\] rep \d+: rank-0 path .*, per-source ", proc.stdout, re.M)) == 2
+    assert "rank-0 path: rank 0 sends" in proc.stdout and "per-source: 2 sources" in proc.stdout
+
+
+def test_benchmark_refuses_a_bad_layout(tmp_path: Path) -> None:
+    proc = run_benchmark("weight_sync.py", "--work-dir", str(tmp_path), "--layout", "pp3", timeout=300)
+    assert proc.returncode != 0
+    assert "--layout 'pp3': give each of pp2, ep2, pp2ep2, pp1 at most once" in proc.stderr
+    assert not (tmp_path / "models").exists()
+
+
+def test_paper_table_counts_the_bytes_of_each_layout() -> None:
+    proc = run_benchmark("weight_sync_paper.py", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| Qwen")]
+    assert {r.split(" | ")[0] for r in rows} == {
+        "| Qwen2.5-7B",
+        "| Qwen3-30B-A3B",
+        "| Qwen3-235B-A22B (shape)",
+    }
 
 
 @pytest.mark.parametrize(
