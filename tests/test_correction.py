@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ref_mismatch, ref_seq_discrepancy, ref_weights
+from reference import counts as reference_counts
+from reference import ref_correction, ref_mismatch, ref_seq_discrepancy, ref_weights
 
 from megatron_acrl.config import CorrectionConfig, CorrectionMethod
 from megatron_acrl.correction import (
@@ -342,3 +343,131 @@ def test_all_configs_fields_are_documented_dataclass():
     assert dataclasses.is_dataclass(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.gamma = 1.0  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------------------------
+# Edge defects (issue #25): each of these failed before its fix
+# ----------------------------------------------------------------------------------------------
+
+
+def _near_one_batch(spread: float, seed: int = 0, b: int = 8, t: int = 64):
+    """float32 log-probs whose log-ratios are ``spread * N(0, 1)``: weights 1 +- spread."""
+    g = torch.Generator().manual_seed(seed)
+    lq = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2 - 0.1
+    lp = lq + spread * torch.randn(b, t, generator=g, dtype=torch.float64)
+    return (
+        lp.float(),
+        lq.float(),
+        torch.ones(b, t, dtype=torch.bool),
+        torch.randn(b, 1, generator=g).expand(b, t),
+    )
+
+
+@FUSED
+@pytest.mark.parametrize("spread", [3e-5, 3e-4])
+@pytest.mark.parametrize("method", ["tis", "acrl"])
+def test_weight_std_of_a_small_spread(spread, method, fused):
+    """A true std of 3e-5 read 0 and 3e-4 read 2-3% low: the weights were squared in float32."""
+    lp, lq, mask, adv = _near_one_batch(spread)
+    n_tok, n_seq = counts(mask)
+    cfg = CorrectionConfig(method=method, gamma=1.0)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    corr = compute_correction(
+        cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=AcrlSignal(x=1.0, y=0.0)
+    )
+    got = finalize_metrics(corr.metrics)["correction/weight_std"]
+    _, ref = ref_correction(cfg, lp, lq, mask, adv, x=1.0, y=0.0)
+    assert ref["correction/weight_std"] > 0.5 * spread
+    # float64 weights on the PyTorch path; float32 ones from the C pass, whose rounding on the grid
+    # near 1 moves a std of 3e-5 by ~1e-4 (the std of the weights it returns, measured in float64)
+    assert got == pytest.approx(ref["correction/weight_std"], rel=1e-3 if fused else 1e-9)
+    assert got == pytest.approx(corr.weights[mask].double().std(unbiased=False).item(), rel=1e-3)
+
+
+@FUSED
+def test_nonfinite_old_logprobs_are_masked_and_counted(fused):
+    """A NaN pi_old on a valid token gave Y = 0.124, k3 = 6e7 and an ACRL weight of e^13 (fused) or
+    raised (torch): it is now dropped like padding, counted, and never reaches Y or a weight."""
+    lp, lq, mask, adv = make_batch(seed=9, scale=0.2)
+    lp[0, 1], lp[2, 0], lq[3, 2] = float("nan"), float("inf"), -float("inf")
+    assert mask[0, 1] and mask[2, 0] and mask[3, 2]
+    n_tok, n_seq = reference_counts(lp, lq, mask)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
+    want = ref_mismatch(lp, lq, mask)
+    assert want["nonfinite_tokens"] == 3
+    for k, v in want.items():
+        assert got["mismatch/" + k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    for distance in ("prob_abs", "logprob_abs", "k3"):
+        total, count = acrl_discrepancy_stats(sh, distance).tolist()
+        ys = ref_seq_discrepancy(lp, lq, mask, distance)
+        assert count == len(ys) and total == pytest.approx(sum(ys), rel=1e-5), distance
+    cfg = CorrectionConfig(method="acrl")
+    corr = compute_correction(
+        cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=AcrlSignal(0.05, 0.08)
+    )
+    assert corr.weights[0, 1] == 0 and corr.weights[2, 0] == 0 and corr.weights[3, 2] == 0
+    want_w = torch.tensor(ref_weights(cfg, lp, lq, mask, adv, x=0.05, y=0.08), dtype=torch.float64)
+    torch.testing.assert_close(corr.weights.double(), want_w, rtol=1e-5, atol=1e-6)
+
+
+@FUSED
+def test_seq_clip_fractions_count_only_real_sequences(fused):
+    """With seq_high < 1 the empty rows (log prod rho = 0 > log seq_high) were counted as clipped."""
+    lp, lq, mask, adv = make_batch(seed=4, scale=0.05)  # the last row has no valid token
+    cfg = CorrectionConfig(method="seq_tis", seq_low=0.2, seq_high=0.5)
+    n_tok, n_seq = counts(mask)
+    corr = compute_correction(
+        cfg, MismatchTensors(lp, lq, mask, fused=fused), num_tokens=n_tok, num_seqs=n_seq
+    )
+    got = finalize_metrics(corr.metrics)
+    _, want = ref_correction(cfg, lp, lq, mask)
+    for k in ("correction/seq_clip_frac_high", "correction/seq_clip_frac_low"):
+        assert 0 <= got[k] <= 1 and got[k] == pytest.approx(want[k]), k
+
+
+@FUSED
+def test_empty_batch_and_infinite_extremes_read_apart(fused):
+    """chi2_seq of an all-masked batch read -1, and a genuine infinite extreme read NaN like an empty one."""
+    lp, lq, _, _ = make_batch()
+    empty = finalize_metrics(
+        mismatch_metrics(MismatchTensors(lp, lq, torch.zeros_like(lp, dtype=torch.bool), fused=fused),
+                         num_tokens=0, num_seqs=0)
+    )  # fmt: skip
+    assert math.isnan(empty["mismatch/chi2_seq"]) and math.isnan(empty["mismatch/log_ratio_max"])
+    fin = finalize_metrics(
+        {"a_max": torch.tensor(math.inf), "b_min": torch.tensor(-math.inf),
+         "c_max": torch.tensor(-math.inf), "d_min": torch.tensor(math.inf)}
+    )  # fmt: skip
+    assert fin["a_max"] == math.inf and fin["b_min"] == -math.inf
+    assert math.isnan(fin["c_max"]) and math.isnan(fin["d_min"])
+
+
+@FUSED
+@pytest.mark.parametrize("log_ratio", [1e-4, -1e-4, 3e-6])
+def test_prob_abs_and_k3_without_cancellation(log_ratio, fused):
+    """|pi - mu| and rho - 1 - log rho were differences of nearly equal float32 numbers: relative error
+    up to 3e-3 at |log rho| ~ 1e-4, on both kernels."""
+    g = torch.Generator().manual_seed(1)
+    lq = -torch.rand(4, 50, generator=g) * 2 - 0.05
+    lp = (lq.double() + log_ratio).float()  # the float32 inputs; the references read them exactly
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=lp.numel(), num_seqs=4))
+    want = ref_mismatch(lp, lq, mask)
+    for k in ("prob_abs_diff", "prob_abs_diff_max", "k3_kl", "chi2_token", "kl", "logprob_abs_diff"):
+        assert got["mismatch/" + k] == pytest.approx(want[k], rel=1e-5), k
+    for distance in ("prob_abs", "k3"):
+        total, _ = acrl_discrepancy_stats(sh, distance).tolist()
+        assert total == pytest.approx(sum(ref_seq_discrepancy(lp, lq, mask, distance)), rel=1e-5), distance
+
+
+@FUSED
+def test_verl_names_of_the_perplexity_metrics(fused):
+    lp, lq, mask, _ = make_batch(seed=12)
+    n_tok, n_seq = counts(mask)
+    got = finalize_metrics(mismatch_metrics(MismatchTensors(lp, lq, mask, fused=fused), num_tokens=n_tok,
+                                            num_seqs=n_seq))  # fmt: skip
+    want = ref_mismatch(lp, lq, mask)
+    for k in ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff_max", "log_ppl_diff_min"):
+        assert got["mismatch/" + k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
