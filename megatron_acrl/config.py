@@ -638,9 +638,9 @@ class CorrectionConfig(_Section):
     """acrl: the smallest Y a reference can be measured from, and the floor of X. Batches whose Y is
     below it are not measured into X (alpha = 0, the plain loss, until one is: ``acrl/
     reference_deferred``), so a first batch without mismatch (bf16 rollout, an exact first step)
-    cannot make X = 0 and every later Y/X huge. null: the distance's default, about 100x the float32
-    resolution of the log-probs and below any real mismatch (prob_abs 1e-4, logprob_abs 1e-4, k3
-    1e-8); 0: the paper's law as written (X may be 0; Y/X is then bounded by eps only)."""
+    cannot make X = 0 and every later Y/X huge. null: the distance's default, 10-100x the float32
+    resolution of the log-probs and below any real mismatch (prob_abs 1e-5, logprob_abs 1e-5, k3
+    1e-10); 0: the paper's law as written (X may be 0; Y/X is then bounded by eps only)."""
 
     warn_weight: float = 100.0
     """acrl: log a warning when a step's weights saturate (``acrl/saturated_frac`` > 0: a weight cut

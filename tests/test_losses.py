@@ -177,7 +177,7 @@ def test_value_loss_reference_and_gradcheck():
 def test_acrl_gamma_zero_equals_plain_loss(batch, agg, fused):
     """gamma = 0 is the uncorrected loss exactly (both kernels), and both are the reference's."""
     lp_old, lq, mask, adv = batch
-    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8)
+    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, clip_low=0.2, clip_high=0.28)  # DAPO's clip-higher
     x = new_logprobs(lp_old).requires_grad_()
     out = []
     for cfg in (CorrectionConfig(method="none"), CorrectionConfig(method="acrl", gamma=0.0)):
@@ -202,7 +202,7 @@ def test_micro_batches_with_global_denominators_match_whole_batch(batch, agg, me
     mean weight) give the whole batch's loss, gradient and metrics, which are the reference's."""
     lp_old, lq, mask, adv = (t.double() if t.is_floating_point() else t for t in batch)
     n_tok, n_seq = valid_counts(lp_old, lq, mask)
-    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, kl_coef=0.1)
+    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, kl_coef=0.1, clip_low=0.2, clip_high=0.28)
     name, _, norm = method.partition("+")
     cfg = CorrectionConfig(method=name, geo_low=0.5, geo_high=2.0, batch_normalize=bool(norm))
     ref = lp_old - 0.05

@@ -73,10 +73,11 @@ class AcrlSignal:
 # The per-token distances Y can be the sequence mean of; each is a row of MismatchTensors.ROWS.
 DISTANCES = ("prob_abs", "logprob_abs", "k3")
 
-REFERENCE_MIN = {"prob_abs": 1e-4, "logprob_abs": 1e-4, "k3": 1e-8}
-"""The default ``correction.reference_min`` per distance: ~100x the float32 resolution of the
-log-probs (a relative 6e-8 of |log p| <~ 10 gives |log rho| noise <~ 1e-6; k3 ~ (log rho)^2 / 2),
-and below any real mismatch (bf16 rollout: |log rho| ~ 1e-3 - 1e-2)."""
+REFERENCE_MIN = {"prob_abs": 1e-5, "logprob_abs": 1e-5, "k3": 1e-10}
+"""The default ``correction.reference_min`` per distance: 10-100x the float32 resolution of the
+log-probs (a relative 6e-8 of |log p| <~ 16 rounds log rho by <~ 1e-6, and |pi - mu| <= |log rho|;
+k3 ~ (log rho)^2 / 2), and below any real mismatch: bf16 rollouts differ by |log rho| ~ 1e-3 - 1e-2,
+and even a random-init model whose tokens have p ~ 1/vocab (|pi - mu| ~ p |log rho|) stays above."""
 
 
 def reference_floor(cfg: CorrectionConfig) -> float:
