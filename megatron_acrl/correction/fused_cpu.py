@@ -158,7 +158,7 @@ def acrl_weights(
     alpha_max: float | None,
     weight_low: float | None,
     weight_high: float | None,
-    num_tokens: int | Tensor = 1,
+    num_tokens: int | Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """ACRL weights ``exp(clamp(alpha * clamp(log rho)))`` and their sums, in one pass.
 
