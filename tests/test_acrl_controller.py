@@ -255,3 +255,118 @@ def test_all_reduced_stats_give_every_rank_the_same_state():
     for k, v in whole.items():
         assert results[0][1][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
         assert results[1][1][k] == results[0][1][k]
+
+
+def test_check_weights_trips_only_beyond_its_band_and_names_the_fixes(caplog):
+    """The band is open: a weight of exactly warn_weight (or 1/warn_weight) is not a trip; either end
+    alone trips; missing metrics never do; the message gives the figures and every fix by its field."""
+    ctl = AcrlController(CorrectionConfig(method="acrl", warn_weight=100.0))
+    ctl.update(stats(0.01))
+    ctl.update(stats(0.02))
+    quiet = [
+        {},
+        {"acrl/saturated_frac": 0.0},
+        {"correction/weight_max": 100.0, "correction/weight_min": 0.01},
+        {"correction/weight_max": 50.0, "correction/weight_min": 0.015},
+        {"correction/weight_max": 50.0},
+        {"correction/weight_min": 0.5},
+    ]
+    for m in quiet:
+        assert ctl.check_weights(m) is None, m
+    with caplog.at_level(logging.WARNING, logger="megatron_acrl.correction.acrl"):
+        msg = ctl.check_weights({"correction/weight_max": 100.5, "correction/weight_min": 0.5})
+    assert msg == (
+        "ACRL: weights reach [0.5, 100], beyond [1/100, 100] (Y/X = 2, X = 0.01, Y = 0.02, gamma = 0.65). "
+        "The paper's law rho^(gamma sign(A) (1 - Y/X)) is unbounded when Y >> X: bound it "
+        "(correction.alpha_max, correction.weight_high), lower correction.gamma, let X follow the mismatch "
+        "(correction.reference=ema), or raise correction.reference_min if X was measured from a batch "
+        "with almost no mismatch"
+    )
+    assert caplog.records[-1].getMessage() == msg
+    ctl.update(stats(0.02))
+    msg = ctl.check_weights({"acrl/saturated_frac": 0.25, "correction/weight_min": 0.001})
+    assert msg.startswith(
+        "ACRL: 25.00% of the tokens have their weight cut at e^+-20; weights reach [0.001, nan], beyond "
+        "[1/100, 100] (Y/X = 2"
+    )
+
+
+def test_controller_metrics_and_state_are_exactly_the_documented_keys():
+    ctl = AcrlController(CorrectionConfig(method="acrl", gamma=0.5, reference_batches=2))
+    assert ctl.metrics() == {}
+    ctl.update(stats(0.0))  # deferred: no X yet
+    assert ctl.metrics() == {"acrl/y": 0.0, "acrl/gamma": 0.5, "acrl/reference_deferred": 1.0}
+    assert ctl.state_dict() == {
+        "version": 2, "num_updates": 1, "ref_count": 0, "ref_sum": 0.0, "x": None, "y": 0.0,
+        "x_next": None, "reference": "static", "distance": "prob_abs",
+    }  # fmt: skip
+    ctl.update(stats(0.02))
+    ctl.update(stats(0.04))
+    assert ctl.metrics() == pytest.approx(
+        {
+            "acrl/y": 0.04,
+            "acrl/gamma": 0.5,
+            "acrl/reference_deferred": 0.0,
+            "acrl/x": 0.03,
+            "acrl/y_over_x": 4 / 3,
+        }
+    )
+    assert ctl.state_dict()["ref_count"] == 2 and ctl.state_dict()["ref_sum"] == pytest.approx(0.06)
+
+
+def test_a_resume_inside_the_reference_window_keeps_measuring(caplog):
+    """Saved after 1 of 3 reference batches, the resumed controller averages the next ones into X
+    exactly as the uninterrupted one does; states holding None (never or not yet measured) load too."""
+    cfg = CorrectionConfig(method="acrl", reference_batches=3)
+    a = AcrlController(cfg)
+    a.update(stats(0.02))
+    b = AcrlController(cfg)
+    b.load_state_dict(a.state_dict())
+    assert (b.ref_count, b.ref_sum, b.x, b._x_next, b.y) == (1, 0.02, 0.02, 0.02, 0.02)
+    for y in (0.04, 0.09, 0.5):
+        assert b.update(stats(y)) == a.update(stats(y))
+    never = AcrlController(cfg)
+    never.load_state_dict(AcrlController(cfg).state_dict())  # y, x and x_next are None
+    assert never.y is None and never.x is None and never._x_next is None and never.ref_count == 0
+    deferred = AcrlController(cfg)
+    deferred.update(stats(0.0))
+    c = AcrlController(cfg)
+    c.load_state_dict(deferred.state_dict())
+    assert c.x is None and c.signal().deferred
+    with pytest.raises(ValueError) as err:
+        c.load_state_dict({**deferred.state_dict(), "version": 7})
+    assert str(err.value) == "ACRL controller state version 7 != 2"
+    with pytest.raises(ValueError) as err:
+        c.load_state_dict({"x": 1.0, "y": 1.0})
+    assert str(err.value) == (
+        "ACRL controller state is missing ['num_updates', 'ref_sum', 'version', 'x_next']; "
+        "not a controller checkpoint"
+    )
+    re = AcrlController(dataclasses.replace(cfg, remeasure_reference_on_resume=True))
+    with caplog.at_level(logging.WARNING, logger="megatron_acrl.correction.acrl"):
+        re.load_state_dict(a.state_dict())
+    assert caplog.records[-1].getMessage() == (
+        "ACRL: correction.remeasure_reference_on_resume: measuring a new reference X"
+    )
+
+
+def test_resume_messages_name_the_field_and_both_fixes(caplog):
+    a = AcrlController(CorrectionConfig())
+    a.update(stats(0.02))
+    with pytest.raises(ConfigError) as err:
+        AcrlController(CorrectionConfig(distance="k3")).load_state_dict(a.state_dict())
+    assert err.value.errors == [
+        (
+            "correction.distance",
+            "the checkpoint's ACRL reference X was measured with distance='prob_abs', this run has 'k3', "
+            "and X is not comparable with the new Y: set correction.distance=prob_abs to resume as it "
+            "was, or correction.remeasure_reference_on_resume=true to measure a new X",
+        )
+    ]
+    v1 = {k: v for k, v in a.state_dict().items() if k not in ("distance", "reference")}
+    with caplog.at_level(logging.WARNING, logger="megatron_acrl.correction.acrl"):
+        AcrlController(CorrectionConfig()).load_state_dict({**v1, "version": 1})
+    assert [r.getMessage() for r in caplog.records[-2:]] == [
+        "ACRL: the checkpoint does not record correction.distance; assuming 'prob_abs'",
+        "ACRL: the checkpoint does not record correction.reference; assuming 'static'",
+    ]

@@ -10,6 +10,7 @@ import torch
 from megatron_acrl.advantages import (
     dynamic_sampling_keep,
     gae,
+    group_stats,
     grpo_advantages,
     overlong_penalty,
     token_advantages,
@@ -70,3 +71,33 @@ def test_overlong_penalty():
     with pytest.raises(ValueError, match="buffer_len"):
         overlong_penalty(lens, max_len=4, buffer_len=8)
     assert not math.isnan(pen.sum().item())
+
+
+def test_group_stats_pairs_dtypes_and_the_grpo_eps():
+    """A group of two has std |r1 - r2| / sqrt(2) (n - 1 = 1, unclamped); results keep the rewards'
+    dtype; eps is added to the std (a std comparable to eps shows it)."""
+    r = torch.tensor([1.0, 0.0, 3.0, 3.0, 3.0], dtype=torch.float32)
+    gid = torch.tensor([5, 5, 2, 2, 2])
+    mean, std, count = group_stats(r, gid)
+    assert mean.dtype == std.dtype == count.dtype == torch.float32
+    assert mean.tolist() == [0.5, 0.5, 3.0, 3.0, 3.0] and count.tolist() == [2, 2, 3, 3, 3]
+    assert std.tolist() == pytest.approx([math.sqrt(0.5)] * 2 + [0.0] * 3)
+    r64 = torch.tensor([0.0, 2e-6], dtype=torch.float64)
+    adv = grpo_advantages(r64, torch.tensor([0, 0]), eps=1e-6)
+    s = math.sqrt(2e-12)
+    assert adv.dtype == torch.float64 and adv.tolist() == pytest.approx(
+        [-1e-6 / (s + 1e-6), 1e-6 / (s + 1e-6)]
+    )
+
+
+def test_overlong_penalty_scales_with_penalty_and_buffer():
+    lens = torch.tensor([11, 13, 16, 30])
+    pen = overlong_penalty(lens, max_len=16, buffer_len=6, penalty=0.5)
+    assert pen.dtype == torch.float32
+    assert pen.tolist() == pytest.approx([-0.5 * 1 / 6, -0.5 * 3 / 6, -0.5, -0.5])
+    zero = overlong_penalty(lens, max_len=16, buffer_len=0)
+    assert zero.dtype == torch.float32 and zero.shape == lens.shape
+    assert overlong_penalty(torch.tensor([4]), max_len=4, buffer_len=4).tolist() == [-1.0]  # buffer = max
+    with pytest.raises(ValueError) as err:
+        overlong_penalty(lens, max_len=4, buffer_len=8)
+    assert str(err.value) == "overlong buffer_len=8 exceeds max_len=4"

@@ -317,3 +317,34 @@ def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
     src.write_text("int answer(void) { return }\n")
     with pytest.raises(RuntimeError, match="compiling k.c failed"):
         native.build(src, tmp_path / "cache")
+
+
+def test_acrl_weights_pass_reads_every_advantage_layout_and_coefficient_dtype():
+    """The C pass called directly: ``[B]``, ``[B, 1]`` and ``[B, T]`` advantages of any float dtype,
+    with token signs that change inside a sequence, and a per-sequence coefficient in float32 or
+    float64, all give the weights of the float64 reference; a shape that does not match is refused."""
+    lp, lq, mask, adv = batch(5, pad_garbage=False)
+    b, t = lp.shape
+    tok = adv.expand(b, t).clone()
+    tok[:, 1::2] *= -1.0  # every other token flips its sign
+    coef = torch.linspace(-0.8, 0.6, b, dtype=torch.float64)
+    n_tok = int(mask.sum())
+    cfg = CorrectionConfig(method="acrl")
+    kw = {"alpha_max": None, "weight_low": None, "weight_high": None, "num_tokens": n_tok}
+    for a, want_adv in ((adv.squeeze(-1).double(), adv.expand(b, t)), (adv, adv.expand(b, t)), (tok, tok)):
+        for c in (coef, coef.float(), 0.3):
+            w, means, _ = fused_cpu.acrl_weights(lp, lq, mask, a, c, **kw)
+            cc = c.tolist() if isinstance(c, torch.Tensor) else [c] * b
+            sl = [slice(i, i + 1) for i in range(b)]
+            ref = [
+                ref_weights(cfg, lp[s], lq[s], mask[s], want_adv[s], coef=cc[i])[0] for i, s in enumerate(sl)
+            ]
+            assert w.dtype == torch.float32
+            torch.testing.assert_close(
+                w.double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-5, atol=1e-6
+            )
+            assert means[0].item() == pytest.approx(sum(map(sum, ref)) / n_tok, rel=1e-5)
+    for bad in (adv[:-1], torch.zeros(b, t + 1), torch.zeros(b, 2)):
+        with pytest.raises(ValueError) as err:
+            fused_cpu.acrl_weights(lp, lq, mask, bad, 0.3, **kw)
+        assert str(err.value) == f"advantages of shape {tuple(bad.shape)} do not match log-probs [{b}, {t}]"

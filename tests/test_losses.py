@@ -347,3 +347,33 @@ def test_reference_weights_are_not_the_package_weights_by_construction():
         CorrectionConfig(method="acrl", gamma=1.0), lp, lq, mask, torch.ones(1, 2), x=0.1, y=0.2
     )
     assert acrl == [[pytest.approx(math.exp(-0.5)), pytest.approx(math.exp(1.0))]]  # alpha = -1
+
+
+def test_value_loss_clips_both_sides_and_counts_one_token():
+    """V moved past V_old -+ clip on either side: the clipped branch is the one the loss takes; one
+    valid token is its own denominator (its clip fraction is 1, not 1/2)."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    v = torch.tensor([[-1.0, 1.0, 0.1, -1.0]], dtype=torch.float64, requires_grad=True)
+    ret = torch.tensor([[-2.0, 2.0, 0.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    loss, met = value_loss(v, old, ret, mask, clip=0.2, num_tokens=3)
+    # clipped values -0.2, 0.2, 0.1: (V_c - R)^2 = 3.24, 3.24, 0.01 beat (V - R)^2 = 1, 1, 0.01 on two
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 3.24 + 0.01) / 3, rel=1e-12)
+    assert set(met) == {"critic/value_loss", "critic/value_clipfrac"}
+    assert met["critic/value_loss"].item() == loss.item() and not met["critic/value_loss"].requires_grad
+    assert met["critic/value_clipfrac"].item() == pytest.approx(2 / 3)
+    one = torch.tensor([[True, False, False, False]])
+    _, met = value_loss(v, old, ret, one, clip=0.2, num_tokens=1)
+    assert met["critic/value_clipfrac"].item() == 1.0
+
+
+def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
+    from megatron_acrl.losses import sft_loss
+
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, met = sft_loss(lp, lp, lp, lp, mask, num_tokens=5, algorithm=None)  # 5: other micro-batches'
+    assert loss.item() == pytest.approx((1.0 + 2.0 + 0.5) / 5, rel=1e-12)
+    assert set(met) == {"sft/nll"} and met["sft/nll"].item() == loss.item()
+    (grad,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(grad, -mask.double() / 5)
