@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -471,3 +474,81 @@ def test_verl_names_of_the_perplexity_metrics(fused):
     want = ref_mismatch(lp, lq, mask)
     for k in ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff_max", "log_ppl_diff_min"):
         assert got["mismatch/" + k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_overhead_benchmark_smoke():
+    """benchmarks/correction_overhead.py runs both kernels and ends with their goal figures."""
+    root = Path(__file__).resolve().parents[1]
+    smoke = ["--tokens", "512", "--vocab", "1024", "--repeats", "2"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/correction_overhead.py", *smoke],
+        cwd=root, capture_output=True, text=True, check=True, timeout=300,
+    ).stdout.strip().splitlines()  # fmt: skip
+    names = [line.split(":")[0] for line in out[-2:]] if fused_cpu.available() else [out[-1].split(":")[0]]
+    assert names[-1] == "torch-path overhead" and names[0] in ("fused-path overhead", "torch-path overhead")
+    assert all(float(line.rsplit(":", 1)[1]) > 0 for line in out[-len(names) :])
+
+
+@FUSED
+def test_batch_weight_mean_is_the_plain_mean_and_normalises_every_micro_batch(fused):
+    """batch_weight_mean: the mean TIS weight of the whole batch, before normalisation, over its valid
+    tokens (reference); passed to micro-batches, their weights are the whole batch's divided by it.
+    Without it a call uses its own tokens' mean -- one valid token normalises to exactly 1."""
+    from megatron_acrl.correction import batch_weight_mean
+
+    lp, lq, mask, adv = make_batch(seed=4, scale=0.6)
+    cfg = CorrectionConfig(method="tis", tis_high=1.5, batch_normalize=True)
+    plain = ref_weights(dataclasses.replace(cfg, batch_normalize=False), lp, lq, mask)
+    n_tok = int(mask.sum())
+    want = sum(map(sum, plain)) / n_tok
+    mean = batch_weight_mean(cfg, MismatchTensors(lp, lq, mask, fused=fused))
+    assert mean.dtype == torch.float64 and mean.item() == pytest.approx(want, rel=1e-6)
+    for sl in (slice(0, 2), slice(2, None)):
+        sh = MismatchTensors(lp[sl], lq[sl], mask[sl], fused=fused)
+        w = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=6, weight_mean=mean.item()).weights
+        expect = torch.tensor(plain, dtype=torch.float64)[sl] / want
+        torch.testing.assert_close(w.double(), expect, rtol=1e-5, atol=1e-6)
+    one = torch.zeros_like(mask)
+    one[0, 0] = True
+    lq1 = lq.clone()
+    lq1[0, 0] = lp[0, 0] - 0.2  # rho = e^0.2 inside the clip: a weight of 1.22 before normalising
+    w = compute_correction(cfg, MismatchTensors(lp, lq1, one, fused=fused), num_tokens=1, num_seqs=1).weights
+    assert w[0, 0].item() == pytest.approx(1.0, rel=1e-6) and w.sum().item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_valid_mask_drops_masked_and_nonfinite_tokens():
+    from megatron_acrl.correction import valid_mask
+
+    lp = torch.tensor([[-1.0, float("nan"), -2.0, -0.5]])
+    lq = torch.tensor([[-1.1, -1.0, float("-inf"), -0.4]])
+    for mask in (
+        torch.tensor([[1, 1, 1, 0]]),
+        torch.tensor([[True, True, True, False]]),
+        torch.tensor([[2.0, 1, 1, 0]]),
+    ):
+        got = valid_mask(lp, lq, mask)
+        assert got.dtype == torch.bool and got.tolist() == [[True, False, False, False]]
+    assert valid_mask(lp, lq, torch.tensor([[0, 1, 1, 1]])).tolist() == [[False, False, False, True]]
+
+
+@FUSED
+def test_icepop_band_is_closed(fused):
+    """IcePop keeps rho in [low, high], ends included: rho = 1 exactly (log pi_old = log mu) stays in
+    [1, 2] and in [0.5, 1]; rho = e^-0.1 and e^0.1 fall out of one of them each."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    lq = torch.tensor([[-1.0, -1.9, -0.6]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for low, high, kept, frac in ((1.0, 2.0, [1, 0, 1], "low"), (0.5, 1.0, [1, 1, 0], "high")):
+        cfg = CorrectionConfig(method="icepop", icepop_low=low, icepop_high=high)
+        corr = compute_correction(cfg, MismatchTensors(lp, lq, mask, fused=fused), num_tokens=3, num_seqs=1)
+        assert (corr.weights > 0).int().tolist() == [kept]
+        m = finalize_metrics(corr.metrics)
+        assert m[f"correction/mask_frac_{frac}"] == pytest.approx(1 / 3)
+        assert m["correction/mask_frac_" + ("high" if frac == "low" else "low")] == 0
+
+
+def test_an_unknown_distance_is_named():
+    lp, lq, mask, _ = make_batch()
+    with pytest.raises(ValueError) as err:
+        acrl_discrepancy_stats(MismatchTensors(lp, lq, mask, fused=False), "l2")
+    assert str(err.value) == "correction.distance must be prob_abs, logprob_abs or k3; got 'l2'"
