@@ -70,20 +70,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="mutants tested at once")
     ap.add_argument("--keep", action="store_true", help="reuse mutants/ of an earlier run (mutmut's cache)")
+    ap.add_argument("--score-only", action="store_true", help="score the results in mutants/ without running")
     args = ap.parse_args()
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
-    if not args.keep:
-        shutil.rmtree(ROOT / "mutants", ignore_errors=True)
-    # one thread per test process: mutmut runs --max-children of them at once
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    subprocess.run([mutmut, "run", "--max-children", str(args.max_children)], cwd=ROOT, env=env, check=True)
-    statuses = mutant_statuses(mutmut)
+    if not args.score_only:
+        if not args.keep:
+            shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+        # one thread per test process: mutmut runs --max-children of them at once
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [mutmut, "run", "--max-children", str(args.max_children)]
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    every = mutant_statuses(mutmut)
+    statuses = {k: v for k, v in every.items() if v != "not checked"}  # all of them after a full run
     equivalent = equivalent_mutants()
-    value, survivors, stale = score(statuses, equivalent)
+    value, survivors, _ = score(statuses, equivalent)
+    stale = sorted(set(equivalent) - set(every))
     by_status: dict[str, int] = {}
     for v in statuses.values():
         by_status[v] = by_status.get(v, 0) + 1
-    print(f"mutants: {len(statuses)}  " + "  ".join(f"{k}: {n}" for k, n in sorted(by_status.items())))
+    print(f"checked: {len(statuses)}  " + "  ".join(f"{k}: {n}" for k, n in sorted(by_status.items())))
     print(f"equivalent (docs/correction.md): {len(equivalent)}")
     for name in stale:
         print(f"listed as equivalent but not a mutant of this code (renumbered?): {name}")

@@ -508,6 +508,13 @@ def test_batch_weight_mean_is_the_plain_mean_and_normalises_every_micro_batch(fu
         w = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=6, weight_mean=mean.item()).weights
         expect = torch.tensor(plain, dtype=torch.float64)[sl] / want
         torch.testing.assert_close(w.double(), expect, rtol=1e-5, atol=1e-6)
+    lp64, lq64 = lp.double(), lq.double()  # float64 log-probs: the mean is applied at full precision
+    mean64 = batch_weight_mean(cfg, MismatchTensors(lp64, lq64, mask, fused=False)).item()
+    w = compute_correction(cfg, MismatchTensors(lp64, lq64, mask, fused=False), num_tokens=n_tok, num_seqs=6,
+                           weight_mean=mean64).weights  # fmt: skip
+    plain64 = ref_weights(dataclasses.replace(cfg, batch_normalize=False), lp64, lq64, mask)
+    want64 = sum(map(sum, plain64)) / n_tok
+    torch.testing.assert_close(w, torch.tensor(plain64, dtype=torch.float64) / want64, rtol=1e-13, atol=1e-15)
     one = torch.zeros_like(mask)
     one[0, 0] = True
     lq1 = lq.clone()

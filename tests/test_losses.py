@@ -362,6 +362,7 @@ def test_value_loss_clips_both_sides_and_counts_one_token():
     assert set(met) == {"critic/value_loss", "critic/value_clipfrac"}
     assert met["critic/value_loss"].item() == loss.item() and not met["critic/value_loss"].requires_grad
     assert met["critic/value_clipfrac"].item() == pytest.approx(2 / 3)
+    assert met["critic/value_clipfrac"].dtype == torch.float64  # the values' dtype, not int / int
     one = torch.tensor([[True, False, False, False]])
     _, met = value_loss(v, old, ret, one, clip=0.2, num_tokens=1)
     assert met["critic/value_clipfrac"].item() == 1.0
