@@ -370,3 +370,18 @@ def test_resume_messages_name_the_field_and_both_fixes(caplog):
         "ACRL: the checkpoint does not record correction.distance; assuming 'prob_abs'",
         "ACRL: the checkpoint does not record correction.reference; assuming 'static'",
     ]
+
+
+def test_a_resume_after_deferred_batches_keeps_its_count_of_measured_ones():
+    """Two deferred batches then one measured: 3 updates, 1 measured batch. The resumed controller
+    measures 2 more into X (reference_batches = 3), as the uninterrupted one does."""
+    cfg = CorrectionConfig(method="acrl", reference_batches=3)
+    a = AcrlController(cfg)
+    for y in (0.0, 0.0, 0.02):
+        a.update(stats(y))
+    b = AcrlController(cfg)
+    b.load_state_dict(a.state_dict())
+    assert b.ref_count == 1 and b.num_updates == 3
+    for y in (0.04, 0.06, 0.5):
+        assert b.update(stats(y)) == a.update(stats(y))
+    assert b.signal().x == pytest.approx(0.04)

@@ -305,6 +305,18 @@ def test_fused_cpu_kernel_is_refused_when_the_library_does_not_build(monkeypatch
         ValueError, match=r"correction\.kernel=fused_cpu: _fused_cpu\.c did not build.*kernel=auto"
     ):
         fused_cpu.resolve_kernel("fused_cpu", "cpu")
+    with pytest.raises(ValueError) as err:
+        fused_cpu.resolve_kernel("fused_cpu", "cpu")
+    assert str(err.value) == (
+        "correction.kernel=fused_cpu: _fused_cpu.c did not build (the log says why; a C compiler is needed: "
+        "install gcc or set $CC); set correction.kernel=auto (or torch) to use the PyTorch path"
+    )
+    with pytest.raises(ValueError) as err:
+        fused_cpu.resolve_kernel("fused_cpu", "cuda:1")
+    assert str(err.value) == (
+        "correction.kernel=fused_cpu runs on CPU tensors only, but the trainer runs on cuda:1; "
+        "set correction.kernel=auto (or torch)"
+    )
 
 
 def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
