@@ -30,9 +30,16 @@ def correction_pass(
     adv: Tensor,
     num_tokens: int,
     num_seqs: int,
+    *,
+    fused: bool | None = None,
 ) -> dict[str, float]:
-    """Everything the correction costs per batch (``[B, T]`` inputs); returns the final metrics."""
-    shared = MismatchTensors(old, roll, mask, fused=fused_cpu.resolve_kernel(cfg.kernel, old.device))
+    """Everything the correction costs per batch (``[B, T]`` inputs); returns the final metrics.
+
+    ``fused``: the kernel, resolved once by the caller (None: ``cfg.kernel`` for the tensors' device).
+    """
+    if fused is None:
+        fused = fused_cpu.resolve_kernel(cfg.kernel, old.device)
+    shared = MismatchTensors(old, roll, mask, fused=fused)
     sig = ctl.update(acrl_discrepancy_stats(shared, cfg.distance))
     corr = compute_correction(cfg, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=adv, acrl=sig)
     parts = {**corr.metrics, **mismatch_metrics(shared, num_tokens=num_tokens, num_seqs=num_seqs)}

@@ -782,6 +782,22 @@ class CorrectionConfig(_Section):
     eps: float = 1e-8
     """acrl: floor of X in Y/X so a perfectly matched reference does not divide by zero."""
 
+    reference_min: float | None = None
+    """acrl: the smallest Y a reference can be measured from, and the floor of X. Batches whose Y is
+    below it are not measured into X (alpha = 0, the plain loss, until one is: ``acrl/
+    reference_deferred``), so a first batch without mismatch (bf16 rollout, an exact first step)
+    cannot make X = 0 and every later Y/X huge. null: the distance's default, 10-100x the float32
+    resolution of the log-probs and below any real mismatch (prob_abs 1e-5, logprob_abs 1e-5, k3
+    1e-10); 0: the paper's law as written (X may be 0; Y/X is then bounded by eps only)."""
+
+    warn_weight: float = 100.0
+    """acrl: log a warning when a step's weights saturate (``acrl/saturated_frac`` > 0: a weight cut
+    at e^+-20) or leave [1 / warn_weight, warn_weight] (``correction/weight_max`` / ``weight_min``)."""
+
+    remeasure_reference_on_resume: bool = False
+    """acrl: on resume, discard the checkpoint's reference X and measure a new one (needed to resume
+    with another ``distance`` or ``reference`` mode; without it such a resume is refused)."""
+
     kernel: CorrectionKernel = "auto"
     """Who computes the correction, chosen once when the trainer starts: fused_cpu is one C pass
     (correction/_fused_cpu.c, built on first use; CPU trainers only), torch the PyTorch path (the
@@ -814,6 +830,13 @@ class CorrectionConfig(_Section):
             _check(e, self.weight_low < self.weight_high, "weight_low", "must be smaller than weight_high")
         _check(e, len(set(self.masks)) == len(self.masks), "masks", "lists a mask twice")
         _check(e, self.eps > 0, "eps", "must be > 0")
+        _check(
+            e,
+            self.reference_min is None or self.reference_min >= 0,
+            "reference_min",
+            f"must be >= 0 (0: the paper's law) or null (the distance's default); got {self.reference_min}",
+        )
+        _check(e, self.warn_weight > 1, "warn_weight", f"must be > 1, got {self.warn_weight}")
         return e
 
 

@@ -10,7 +10,11 @@ Aggregation modes (``loss_agg``):
 - ``token-mean`` (DAPO): ``sum_{i,t} l_it / num_tokens``.
 - ``seq-mean-token-mean`` (GRPO): ``sum_i (sum_t l_it / |y_i|) / num_seqs``.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``sum_{i,t} l_it / (num_seqs * norm_len)``.
-Tokens dropped by a correction (weight 0) still count in the denominators, as in verl.
+
+Tokens dropped by a correction (weight 0: a masked or vetoed sequence, an IcePop token) still count
+in the denominators; verl's rejection sampling instead removes them from its response mask, and so
+from the denominators (docs/correction.md, "Conventions"). Tokens whose log pi_old or log mu is not
+finite are different: they leave the loss mask itself (``correction.valid_mask``), like padding.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ def rl_loss(
     ref_logprobs: Tensor | None = None,
     norm_len: int | None = None,
     with_mismatch_metrics: bool = True,
+    weight_mean: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The corrected policy loss of one micro-batch, as the Megatron loss adapter calls it.
 
@@ -171,7 +176,9 @@ def rl_loss(
         old_logprobs: ``[B, T]`` log pi_old (trainer forward-only pass before the update).
         rollout_logprobs: ``[B, T]`` log mu from the rollout engine.
         advantages: ``[B, T]``.
-        loss_mask: ``[B, T]`` 1 on response tokens.
+        loss_mask: ``[B, T]`` 1 on response tokens; a token whose log pi_old or log mu is not finite
+            is dropped from it (its gradient is 0), and should be absent from ``num_tokens`` /
+            ``num_seqs`` (count them with :func:`~megatron_acrl.correction.valid_mask`).
         algorithm / correction: settings.
         acrl: controller signal of this rollout batch (``correction.method == "acrl"``).
         num_tokens / num_seqs: global denominators of the optimizer step.
@@ -181,13 +188,18 @@ def rl_loss(
         ref_logprobs: ``[B, T]`` reference-model log-probs (for ``kl_coef`` > 0).
         norm_len: Dr. GRPO constant length (default ``algorithm.loss_norm_len``).
         with_mismatch_metrics: also return the pi_old-vs-mu mismatch metrics.
+        weight_mean: ``correction.batch_normalize``: the whole batch's mean weight
+            (:func:`~megatron_acrl.correction.batch_weight_mean`), the same on every micro-batch and
+            rank; None normalises by this micro-batch's own mean.
     Returns:
         ``(loss, partial metrics)``; ``loss`` summed over micro-batches and ranks is the full loss.
     """
     shared = MismatchTensors(old_logprobs, rollout_logprobs, loss_mask, fused=fused)
     corr = compute_correction(
-        correction, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=advantages, acrl=acrl
-    )
+        correction, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=advantages, acrl=acrl,
+        weight_mean=weight_mean,
+    )  # fmt: skip
+    loss_mask = shared.mask  # the valid tokens: a NaN log-prob never reaches the gradient
     agg = functools.partial(
         aggregate,
         mask=loss_mask,

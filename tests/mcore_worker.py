@@ -58,7 +58,7 @@ MODELS: dict[str, dict[str, Any]] = {
 HF_PARITY = ("qwen2", "qwen3", "moe")
 
 
-def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
+def make_config(kind: str, layout: dict[str, Any], bf16: bool = False, micro_batch_size: int = MBS):
     model = dict(
         num_layers=4,
         hidden_size=64,
@@ -90,7 +90,7 @@ def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
                 "adam_eps": 1e3,
                 "grad_clip": 1e6,
                 "weight_decay": 0.0,
-                "micro_batch_size": MBS,
+                "micro_batch_size": micro_batch_size,
                 "logprob_chunk_size": 5,
                 "seed": SEED,
                 **budgets,
@@ -100,7 +100,9 @@ def make_config(kind: str, layout: dict[str, Any], bf16: bool = False):
                 "kl_coef": 0.05 if kind == "qwen3" else 0.0,
                 "loss_agg": layout.get("agg", "seq-mean-token-mean"),
             },
-            "correction": {"method": "acrl", "gamma": 0.65},
+            # qwen2 also normalises the weights by the batch's mean weight (batch_normalize): one mean
+            # for every micro-batch and rank, which its one-micro-batch reference checks (run_case)
+            "correction": {"method": "acrl", "gamma": 0.65, "batch_normalize": kind == "qwen2"},
         }
     )
 
@@ -139,7 +141,10 @@ def run_case(
     from megatron_acrl.megatron.policy import Policy
 
     t0 = time.perf_counter()
-    cfg = make_config(kind, layout, bf16=bf16)
+    # qwen2's single-rank reference trains the batch as one micro-batch: with batch_normalize, a
+    # per-micro-batch mean in the layouts (micro-batches of MBS) would not match it
+    whole = init is None and kind == "qwen2"
+    cfg = make_config(kind, layout, bf16=bf16, micro_batch_size=N_SEQ if whole else MBS)
     initialize_parallel(cfg.parallel, SEED)
     original_shard = convert.tp_shard
     if negative:  # wrongly sharded weights: every TP rank loads its mirror rank's shard

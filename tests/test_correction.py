@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import get_args
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ref_mismatch, ref_seq_discrepancy, ref_weights
+from reference import counts as reference_counts
+from reference import ref_correction, ref_mismatch, ref_seq_discrepancy, ref_weights
 
 from megatron_acrl.config import CorrectionConfig, CorrectionMethod
 from megatron_acrl.correction import (
@@ -342,3 +346,216 @@ def test_all_configs_fields_are_documented_dataclass():
     assert dataclasses.is_dataclass(cfg)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.gamma = 1.0  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------------------------
+# Edge defects (issue #25): each of these failed before its fix
+# ----------------------------------------------------------------------------------------------
+
+
+def _near_one_batch(spread: float, seed: int = 0, b: int = 8, t: int = 64):
+    """float32 log-probs whose log-ratios are ``spread * N(0, 1)``: weights 1 +- spread."""
+    g = torch.Generator().manual_seed(seed)
+    lq = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2 - 0.1
+    lp = lq + spread * torch.randn(b, t, generator=g, dtype=torch.float64)
+    return (
+        lp.float(),
+        lq.float(),
+        torch.ones(b, t, dtype=torch.bool),
+        torch.randn(b, 1, generator=g).expand(b, t),
+    )
+
+
+@FUSED
+@pytest.mark.parametrize("spread", [3e-5, 3e-4])
+@pytest.mark.parametrize("method", ["tis", "acrl"])
+def test_weight_std_of_a_small_spread(spread, method, fused):
+    """A true std of 3e-5 read 0 and 3e-4 read 2-3% low: the weights were squared in float32."""
+    lp, lq, mask, adv = _near_one_batch(spread)
+    n_tok, n_seq = counts(mask)
+    cfg = CorrectionConfig(method=method, gamma=1.0)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    corr = compute_correction(
+        cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=AcrlSignal(x=1.0, y=0.0)
+    )
+    got = finalize_metrics(corr.metrics)["correction/weight_std"]
+    _, ref = ref_correction(cfg, lp, lq, mask, adv, x=1.0, y=0.0)
+    assert ref["correction/weight_std"] > 0.5 * spread
+    # float64 weights on the PyTorch path; float32 ones from the C pass, whose rounding on the grid
+    # near 1 moves a std of 3e-5 by ~1e-4 (the std of the weights it returns, measured in float64)
+    assert got == pytest.approx(ref["correction/weight_std"], rel=1e-3 if fused else 1e-9)
+    assert got == pytest.approx(corr.weights[mask].double().std(unbiased=False).item(), rel=1e-3)
+
+
+@FUSED
+def test_nonfinite_old_logprobs_are_masked_and_counted(fused):
+    """A NaN pi_old on a valid token gave Y = 0.124, k3 = 6e7 and an ACRL weight of e^13 (fused) or
+    raised (torch): it is now dropped like padding, counted, and never reaches Y or a weight."""
+    lp, lq, mask, adv = make_batch(seed=9, scale=0.2)
+    lp[0, 1], lp[2, 0], lq[3, 2] = float("nan"), float("inf"), -float("inf")
+    assert mask[0, 1] and mask[2, 0] and mask[3, 2]
+    n_tok, n_seq = reference_counts(lp, lq, mask)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
+    want = ref_mismatch(lp, lq, mask)
+    assert want["nonfinite_tokens"] == 3
+    for k, v in want.items():
+        assert got["mismatch/" + k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    for distance in ("prob_abs", "logprob_abs", "k3"):
+        total, count = acrl_discrepancy_stats(sh, distance).tolist()
+        ys = ref_seq_discrepancy(lp, lq, mask, distance)
+        assert count == len(ys) and total == pytest.approx(sum(ys), rel=1e-5), distance
+    cfg = CorrectionConfig(method="acrl")
+    corr = compute_correction(
+        cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=AcrlSignal(0.05, 0.08)
+    )
+    assert corr.weights[0, 1] == 0 and corr.weights[2, 0] == 0 and corr.weights[3, 2] == 0
+    want_w = torch.tensor(ref_weights(cfg, lp, lq, mask, adv, x=0.05, y=0.08), dtype=torch.float64)
+    torch.testing.assert_close(corr.weights.double(), want_w, rtol=1e-5, atol=1e-6)
+
+
+@FUSED
+def test_seq_clip_fractions_count_only_real_sequences(fused):
+    """With seq_high < 1 the empty rows (log prod rho = 0 > log seq_high) were counted as clipped."""
+    lp, lq, mask, adv = make_batch(seed=4, scale=0.05)  # the last row has no valid token
+    cfg = CorrectionConfig(method="seq_tis", seq_low=0.2, seq_high=0.5)
+    n_tok, n_seq = counts(mask)
+    corr = compute_correction(
+        cfg, MismatchTensors(lp, lq, mask, fused=fused), num_tokens=n_tok, num_seqs=n_seq
+    )
+    got = finalize_metrics(corr.metrics)
+    _, want = ref_correction(cfg, lp, lq, mask)
+    for k in ("correction/seq_clip_frac_high", "correction/seq_clip_frac_low"):
+        assert 0 <= got[k] <= 1 and got[k] == pytest.approx(want[k]), k
+
+
+@FUSED
+def test_empty_batch_and_infinite_extremes_read_apart(fused):
+    """chi2_seq of an all-masked batch read -1, and a genuine infinite extreme read NaN like an empty one."""
+    lp, lq, _, _ = make_batch()
+    empty = finalize_metrics(
+        mismatch_metrics(MismatchTensors(lp, lq, torch.zeros_like(lp, dtype=torch.bool), fused=fused),
+                         num_tokens=0, num_seqs=0)
+    )  # fmt: skip
+    assert math.isnan(empty["mismatch/chi2_seq"]) and math.isnan(empty["mismatch/log_ratio_max"])
+    fin = finalize_metrics(
+        {"a_max": torch.tensor(math.inf), "b_min": torch.tensor(-math.inf),
+         "c_max": torch.tensor(-math.inf), "d_min": torch.tensor(math.inf)}
+    )  # fmt: skip
+    assert fin["a_max"] == math.inf and fin["b_min"] == -math.inf
+    assert math.isnan(fin["c_max"]) and math.isnan(fin["d_min"])
+
+
+@FUSED
+@pytest.mark.parametrize("log_ratio", [1e-4, -1e-4, 3e-6])
+def test_prob_abs_and_k3_without_cancellation(log_ratio, fused):
+    """|pi - mu| and rho - 1 - log rho were differences of nearly equal float32 numbers: relative error
+    up to 3e-3 at |log rho| ~ 1e-4, on both kernels."""
+    g = torch.Generator().manual_seed(1)
+    lq = -torch.rand(4, 50, generator=g) * 2 - 0.05
+    lp = (lq.double() + log_ratio).float()  # the float32 inputs; the references read them exactly
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    got = finalize_metrics(mismatch_metrics(sh, num_tokens=lp.numel(), num_seqs=4))
+    want = ref_mismatch(lp, lq, mask)
+    for k in ("prob_abs_diff", "prob_abs_diff_max", "k3_kl", "chi2_token", "kl", "logprob_abs_diff"):
+        assert got["mismatch/" + k] == pytest.approx(want[k], rel=1e-5), k
+    for distance in ("prob_abs", "k3"):
+        total, _ = acrl_discrepancy_stats(sh, distance).tolist()
+        assert total == pytest.approx(sum(ref_seq_discrepancy(lp, lq, mask, distance)), rel=1e-5), distance
+
+
+@FUSED
+def test_verl_names_of_the_perplexity_metrics(fused):
+    lp, lq, mask, _ = make_batch(seed=12)
+    n_tok, n_seq = counts(mask)
+    got = finalize_metrics(mismatch_metrics(MismatchTensors(lp, lq, mask, fused=fused), num_tokens=n_tok,
+                                            num_seqs=n_seq))  # fmt: skip
+    want = ref_mismatch(lp, lq, mask)
+    for k in ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff_max", "log_ppl_diff_min"):
+        assert got["mismatch/" + k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_overhead_benchmark_smoke():
+    """benchmarks/correction_overhead.py runs both kernels and ends with their goal figures."""
+    root = Path(__file__).resolve().parents[1]
+    smoke = ["--tokens", "512", "--vocab", "1024", "--repeats", "2"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/correction_overhead.py", *smoke],
+        cwd=root, capture_output=True, text=True, check=True, timeout=300,
+    ).stdout.strip().splitlines()  # fmt: skip
+    names = [line.split(":")[0] for line in out[-2:]] if fused_cpu.available() else [out[-1].split(":")[0]]
+    assert names[-1] == "torch-path overhead" and names[0] in ("fused-path overhead", "torch-path overhead")
+    assert all(float(line.rsplit(":", 1)[1]) > 0 for line in out[-len(names) :])
+
+
+@FUSED
+def test_batch_weight_mean_is_the_plain_mean_and_normalises_every_micro_batch(fused):
+    """batch_weight_mean: the mean TIS weight of the whole batch, before normalisation, over its valid
+    tokens (reference); passed to micro-batches, their weights are the whole batch's divided by it.
+    Without it a call uses its own tokens' mean -- one valid token normalises to exactly 1."""
+    from megatron_acrl.correction import batch_weight_mean
+
+    lp, lq, mask, adv = make_batch(seed=4, scale=0.6)
+    cfg = CorrectionConfig(method="tis", tis_high=1.5, batch_normalize=True)
+    plain = ref_weights(dataclasses.replace(cfg, batch_normalize=False), lp, lq, mask)
+    n_tok = int(mask.sum())
+    want = sum(map(sum, plain)) / n_tok
+    mean = batch_weight_mean(cfg, MismatchTensors(lp, lq, mask, fused=fused))
+    assert mean.dtype == torch.float64 and mean.item() == pytest.approx(want, rel=1e-6)
+    for sl in (slice(0, 2), slice(2, None)):
+        sh = MismatchTensors(lp[sl], lq[sl], mask[sl], fused=fused)
+        w = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=6, weight_mean=mean.item()).weights
+        expect = torch.tensor(plain, dtype=torch.float64)[sl] / want
+        torch.testing.assert_close(w.double(), expect, rtol=1e-5, atol=1e-6)
+    lp64, lq64 = lp.double(), lq.double()  # float64 log-probs: the mean is applied at full precision
+    mean64 = batch_weight_mean(cfg, MismatchTensors(lp64, lq64, mask, fused=False)).item()
+    w = compute_correction(cfg, MismatchTensors(lp64, lq64, mask, fused=False), num_tokens=n_tok, num_seqs=6,
+                           weight_mean=mean64).weights  # fmt: skip
+    plain64 = ref_weights(dataclasses.replace(cfg, batch_normalize=False), lp64, lq64, mask)
+    want64 = sum(map(sum, plain64)) / n_tok
+    torch.testing.assert_close(w, torch.tensor(plain64, dtype=torch.float64) / want64, rtol=1e-13, atol=1e-15)
+    one = torch.zeros_like(mask)
+    one[0, 0] = True
+    lq1 = lq.clone()
+    lq1[0, 0] = lp[0, 0] - 0.2  # rho = e^0.2 inside the clip: a weight of 1.22 before normalising
+    w = compute_correction(cfg, MismatchTensors(lp, lq1, one, fused=fused), num_tokens=1, num_seqs=1).weights
+    assert w[0, 0].item() == pytest.approx(1.0, rel=1e-6) and w.sum().item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_valid_mask_drops_masked_and_nonfinite_tokens():
+    from megatron_acrl.correction import valid_mask
+
+    lp = torch.tensor([[-1.0, float("nan"), -2.0, -0.5]])
+    lq = torch.tensor([[-1.1, -1.0, float("-inf"), -0.4]])
+    for mask in (
+        torch.tensor([[1, 1, 1, 0]]),
+        torch.tensor([[True, True, True, False]]),
+        torch.tensor([[2.0, 1, 1, 0]]),
+    ):
+        got = valid_mask(lp, lq, mask)
+        assert got.dtype == torch.bool and got.tolist() == [[True, False, False, False]]
+    assert valid_mask(lp, lq, torch.tensor([[0, 1, 1, 1]])).tolist() == [[False, False, False, True]]
+
+
+@FUSED
+def test_icepop_band_is_closed(fused):
+    """IcePop keeps rho in [low, high], ends included: rho = 1 exactly (log pi_old = log mu) stays in
+    [1, 2] and in [0.5, 1]; rho = e^-0.1 and e^0.1 fall out of one of them each."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    lq = torch.tensor([[-1.0, -1.9, -0.6]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for low, high, kept, frac in ((1.0, 2.0, [1, 0, 1], "low"), (0.5, 1.0, [1, 1, 0], "high")):
+        cfg = CorrectionConfig(method="icepop", icepop_low=low, icepop_high=high)
+        corr = compute_correction(cfg, MismatchTensors(lp, lq, mask, fused=fused), num_tokens=3, num_seqs=1)
+        assert (corr.weights > 0).int().tolist() == [kept]
+        m = finalize_metrics(corr.metrics)
+        assert m[f"correction/mask_frac_{frac}"] == pytest.approx(1 / 3)
+        assert m["correction/mask_frac_" + ("high" if frac == "low" else "low")] == 0
+
+
+def test_an_unknown_distance_is_named():
+    lp, lq, mask, _ = make_batch()
+    with pytest.raises(ValueError) as err:
+        acrl_discrepancy_stats(MismatchTensors(lp, lq, mask, fused=False), "l2")
+    assert str(err.value) == "correction.distance must be prob_abs, logprob_abs or k3; got 'l2'"

@@ -1,8 +1,10 @@
-"""The fused CPU correction (correction/_fused_cpu.c) against the PyTorch path and a float64 reference.
+"""The fused CPU correction (correction/_fused_cpu.c) against the independent float64 reference
+(tests/reference.py) and the PyTorch path.
 
-The PyTorch path is the reference implementation (and the GPU path); the fused pass must give the
-same shared sums, extrema, mismatch metrics, ACRL weights and weight metrics on every input class:
-padding holding NaN/Inf, empty sequences, an empty batch, strided inputs, per-sequence Y, bounds.
+Both kernels must give the reference's shared sums, extrema, mismatch metrics, ACRL weights, weight
+metrics and controller statistics, and each other's, on every input class: padding holding NaN/Inf,
+non-finite log-probs on valid tokens, empty sequences, an empty batch, strided inputs, saturated
+log-ratios, per-sequence Y, bounds.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ import math
 
 import pytest
 import torch
-from reference import ref_weights
+from reference import (
+    counts,
+    ref_correction,
+    ref_mismatch,
+    ref_seq_discrepancy,
+    ref_weights,
+    token_distance,
+    valid_tokens,
+)
 
 import ckernels as native
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
@@ -48,37 +58,42 @@ def batch(seed: int = 0, b: int = 7, t: int = 33, scale: float = 0.4, pad_garbag
 
 
 def ref_seq_sums(lp: torch.Tensor, lq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """float64 reference of MismatchTensors.seq_sums, written independently."""
-    m = mask.double()
-    p, q = torch.where(mask, lp.double(), 0.0), torch.where(mask, lq.double(), 0.0)
-    d = p - q
-    dc = d.clamp(-20, 20)
-    rho = torch.exp(dc)
-    rows = [
-        p,
-        q,
-        -d,
-        d,
-        (torch.exp(p) - torch.exp(q)).abs() * m,
-        d.abs(),
-        (rho - 1 - dc) * m,
-        (rho**2 - 1) * m,
-        m,
-    ]
-    return torch.stack([r.sum(-1) for r in rows])
+    """float64 reference of ``MismatchTensors.seq_sums`` (its 10 rows), loops over the valid tokens."""
+    p, q, m = lp.tolist(), lq.tolist(), mask.tolist()
+    toks = valid_tokens(lp, lq, mask)
+    rows = torch.zeros(10, len(p), dtype=torch.float64)
+    for i, ts in enumerate(toks):
+        for t in ts:
+            d = p[i][t] - q[i][t]
+            dc = max(-20.0, min(20.0, d))
+            vals = (p[i][t], q[i][t], -d, d, abs(math.exp(p[i][t]) - math.exp(q[i][t])), abs(d),
+                    token_distance(p[i][t], q[i][t], "k3"), math.exp(2 * dc) - 1.0, 1.0, 0.0)  # fmt: skip
+            rows[:, i] += torch.tensor(vals, dtype=torch.float64)
+        rows[9, i] = sum(1 for t in range(len(m[i])) if m[i][t]) - len(ts)
+    return rows
+
+
+def _metrics(sh, lp, lq, mask):
+    n_tok, n_seq = counts(lp, lq, mask)
+    return finalize_metrics(mismatch_metrics(sh, num_tokens=n_tok, num_seqs=n_seq))
+
+
+def _assert_reference_metrics(got: dict, lp, lq, mask, rel=1e-5, abs_=1e-6):
+    want = ref_mismatch(lp, lq, mask)
+    assert {k[len("mismatch/") :] for k in got} == set(want)
+    for k, v in want.items():
+        assert got["mismatch/" + k] == pytest.approx(v, rel=rel, abs=abs_, nan_ok=True), k
 
 
 def test_shared_sums_and_extrema_match_float64_reference():
     lp, lq, mask, _ = batch()
     sh = MismatchTensors(lp, lq, mask, fused=True)
-    ref = ref_seq_sums(lp, lq, mask)
-    torch.testing.assert_close(sh.seq_sums, ref, rtol=2e-6, atol=2e-6)
-    d = torch.where(mask, lp.double() - lq.double(), math.nan)
-    dp = torch.where(mask, (lp.double().exp() - lq.double().exp()).abs(), math.nan)
-    want = torch.stack(
-        [(-d).nan_to_num(-math.inf).max(), d.nan_to_num(-math.inf).max(), dp.nan_to_num(-1).max()]
-    )
-    torch.testing.assert_close(sh.extremes.double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sh.seq_sums, ref_seq_sums(lp, lq, mask), rtol=2e-6, atol=2e-6)
+    want = ref_mismatch(lp, lq, mask)
+    assert sh.extremes[0].item() == pytest.approx(-want["log_ratio_min"], rel=1e-6)
+    assert sh.extremes[1].item() == pytest.approx(want["log_ratio_max"], rel=1e-6)
+    assert sh.extremes[2].item() == pytest.approx(want["prob_abs_diff_max"], rel=1e-6)
+    torch.testing.assert_close(sh.mask, mask)  # the valid tokens (the padding holds NaN/-inf)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -87,17 +102,18 @@ def test_fused_equals_pytorch_path(seed):
     fused, ref = MismatchTensors(lp, lq, mask, fused=True), MismatchTensors(lp, lq, mask, fused=False)
     assert fused.fused and not ref.fused
     torch.testing.assert_close(fused.seq_sums, ref.seq_sums, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(fused.extremes, ref.extremes.double(), rtol=1e-6, atol=1e-6)
-    n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
-    got = finalize_metrics(mismatch_metrics(fused, num_tokens=n_tok, num_seqs=n_seq))
-    want = finalize_metrics(mismatch_metrics(ref, num_tokens=n_tok, num_seqs=n_seq))
+    torch.testing.assert_close(fused.extremes, ref.extremes, rtol=1e-6, atol=1e-6)
+    got, want = _metrics(fused, lp, lq, mask), _metrics(ref, lp, lq, mask)
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    for m in (got, want):  # both against the float64 reference
+        _assert_reference_metrics(m, lp, lq, mask)
     for distance in ("prob_abs", "logprob_abs", "k3"):  # the controller's statistics
-        got_y = acrl_discrepancy_stats(fused, distance)
-        want_y = acrl_discrepancy_stats(ref, distance)
-        torch.testing.assert_close(got_y, want_y, rtol=1e-5, atol=1e-6)
+        ys = ref_seq_discrepancy(lp, lq, mask, distance)
+        for sh in (fused, ref):
+            total, count = acrl_discrepancy_stats(sh, distance).tolist()
+            assert count == len(ys) and total == pytest.approx(sum(ys), rel=1e-5), distance
     # the rows the PyTorch branches of compute_correction use are still there, built on demand
     torch.testing.assert_close(fused.log_ratio, ref.log_ratio)
     torch.testing.assert_close(fused.pad, ref.pad)
@@ -109,6 +125,7 @@ ACRL_CASES = [
     {"alpha_max": 0.3},
     {"weight_low": 0.9, "weight_high": 1.1},
     {"gamma": 1.0, "distance": "k3"},
+    {"gamma": 3.0},  # saturates the weights of the +25 token
 ]
 
 
@@ -133,15 +150,16 @@ def test_acrl_weights_and_metrics_equal_pytorch_path(overrides, adv_layout):
     (w_f, m_f), (w_t, m_t) = results
     torch.testing.assert_close(w_f, w_t, rtol=2e-6, atol=1e-7)
     assert (w_f[~mask] == 0).all()
-    # both against the float64 reference, away from the saturated sequence (the reference does not
-    # clamp log rho at +-20, so that sequence's Y_i and weights differ by design)
-    ok = mask & ~((lp - lq).abs() > 20).any(-1, keepdim=True)
-    want = torch.tensor(ref_weights(cfg, lp, lq, ok, adv.expand(b, t), x=sig.x, y=sig.y), dtype=torch.float64)
-    for w in (w_f, w_t):
-        torch.testing.assert_close(w.double()[ok], want[ok], rtol=1e-5, atol=1e-6)
-    assert m_f.keys() == m_t.keys()
-    for k in m_t:
-        assert m_f[k] == pytest.approx(m_t[k], rel=1e-5, abs=1e-7), k
+    w_ref, m_ref = ref_correction(cfg, lp, lq, mask, adv.expand(b, t), x=sig.x, y=sig.y)
+    want = torch.tensor(w_ref, dtype=torch.float64)
+    for w in (w_f, w_t):  # both against the float64 reference (saturation at e^+-20 included)
+        torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)
+    assert m_f.keys() == m_t.keys() == set(m_ref) | {"correction/weight_sq_mean"}
+    for k, v in m_ref.items():
+        for m in (m_f, m_t):
+            assert m[k] == pytest.approx(v, rel=2e-5, abs=1e-7), k
+    if cfg.gamma == 3.0:
+        assert m_f["acrl/saturated_frac"] > 0
 
 
 def test_saturated_and_extreme_log_ratios():
@@ -163,29 +181,71 @@ def test_saturated_and_extreme_log_ratios():
         advantages=adv,
         acrl=AcrlSignal(x=1.0, y=0.0),
     )
-    want = torch.exp((lp - lq).double().clamp(-20, 20))  # alpha = 1; log rho is float32 on both paths
-    torch.testing.assert_close(corr.weights[0].double(), want, rtol=4e-7, atol=0)  # ~3 ulp of float32
+    want = torch.tensor(ref_weights(cfg, lp[None], lq[None], mask, adv.expand(1, d.numel()), x=1.0, y=0.0))
+    torch.testing.assert_close(corr.weights.double(), want.double(), rtol=4e-7, atol=0)  # ~3 ulp of float32
+
+
+# Every edge a long run meets, as (name, log pi_old, log mu, mask): both kernels against the reference.
+_Q = [[-0.7, -1.3, -2.0, -0.2, -3.0], [-0.5, -0.9, -1.1, -4.0, -0.05]]
+_M = [[True, True, True, True, False], [True, True, True, False, False]]
+_P = [[-0.6, -1.2, -2.1, -0.3, 0.0], [-0.4, -1.0, -1.0, 0.0, 0.0]]
+_NAN, _INF = float("nan"), math.inf
+EDGES = [
+    ("nan_old_on_a_valid_token", [[-0.6, _NAN, -2.1, -0.3, 0.0], _P[1]], _Q, _M),
+    ("inf_mu_on_a_valid_token", _P, [[-0.7, -1.3, -_INF, -0.2, -3.0], [-0.5, _INF, -1.1, -4.0, -0.05]], _M),
+    ("a_whole_sequence_non_finite", [[_NAN] * 4 + [0.0], _P[1]], _Q, _M),
+    ("nan_and_inf_in_padding", [[-0.6, -1.2, -2.1, -0.3, _NAN], [-0.4, -1.0, -1.0, _INF, -_INF]], _Q, _M),
+    ("saturated_log_ratios", [[-0.7, -1.2, -2.1, -0.3, 0.0], [-30.0, -1.0, -1.0, 0.0, 0.0]],
+     [[-26.0, -1.3, -2.0, -0.2, -3.0], [-0.5, -0.9, -1.1, -4.0, -0.05]], _M),
+    ("identical", _Q, _Q, _M),
+    ("tiny_log_ratios", [[q + 1e-6 for q in row] for row in _Q], _Q, _M),
+    ("one_token", _Q, [[q - 0.3 for q in row] for row in _Q], [[0, 0, 1, 0, 0], [0] * 5]),
+    ("all_padding", _Q, _Q, [[False] * 5, [False] * 5]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("edge", EDGES, ids=[e[0] for e in EDGES])
+@pytest.mark.parametrize("method", ["acrl", "tis", "seq_tis", "icepop", "geo_mis"])
+def test_every_edge_case_on_both_kernels_against_the_reference(edge, method):
+    """Both kernels give the reference's metrics, weights and Y on each edge: non-finite log-probs on
+    valid tokens are dropped and counted, padding never matters, empty means NaN, not -1 or inf."""
+    _, p, q, m = edge
+    lp, lq, mask = torch.tensor(p), torch.tensor(q), torch.tensor(m, dtype=torch.bool)
+    adv = torch.tensor([[1.0], [-0.5]]).expand(2, 5)
+    cfg = CorrectionConfig(method=method, gamma=1.5, geo_low=0.5, geo_high=2.0)
+    sig = AcrlSignal(x=0.05, y=0.2)
+    n_tok, n_seq = counts(lp, lq, mask)
+    w_ref, m_ref = ref_correction(cfg, lp, lq, mask, adv, x=sig.x, y=sig.y)
+    for fused in (True, False):
+        sh = MismatchTensors(lp, lq, mask, fused=fused)
+        _assert_reference_metrics(_metrics(sh, lp, lq, mask), lp, lq, mask)
+        corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=n_seq, advantages=adv, acrl=sig)
+        torch.testing.assert_close(corr.weights.double(), torch.tensor(w_ref, dtype=torch.float64), rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+        got = finalize_metrics(corr.metrics)
+        for k, v in m_ref.items():
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6, nan_ok=True), (fused, k)
+        total, count = acrl_discrepancy_stats(sh, "prob_abs").tolist()
+        ys = ref_seq_discrepancy(lp, lq, mask, "prob_abs")
+        assert count == len(ys) and total == pytest.approx(sum(ys), rel=1e-5)
 
 
 def test_empty_batch_and_all_padding():
     for b, t in ((0, 5), (3, 0), (2, 4)):
         lp, lq = torch.zeros(b, t), torch.zeros(b, t)
         mask = torch.zeros(b, t, dtype=torch.bool)
-        sh = MismatchTensors(lp, lq, mask, fused=True)
-        got = finalize_metrics(mismatch_metrics(sh, num_tokens=0, num_seqs=0))
-        want = finalize_metrics(
-            mismatch_metrics(MismatchTensors(lp, lq, mask, fused=False), num_tokens=0, num_seqs=0)
-        )
-        assert got.keys() == want.keys()
-        for k in want:
-            assert got[k] == pytest.approx(want[k], nan_ok=True), (b, t, k)
-        corr = compute_correction(
-            CorrectionConfig(method="acrl"), sh, num_tokens=0, num_seqs=0,
-            advantages=torch.ones(b, 1), acrl=AcrlSignal(x=0.1, y=0.1),
-        )  # fmt: skip
-        m = finalize_metrics(corr.metrics)
-        assert corr.weights.shape == (b, t) and m["correction/weight_mean"] == 0.0
-        assert math.isnan(m["correction/weight_max"]) and math.isnan(m["correction/weight_min"])
+        for fused in (True, False):
+            sh = MismatchTensors(lp, lq, mask, fused=fused)
+            got = finalize_metrics(mismatch_metrics(sh, num_tokens=0, num_seqs=0))
+            _assert_reference_metrics(got, lp, lq, mask)
+            assert math.isnan(got["mismatch/chi2_seq"]) and math.isnan(got["mismatch/log_ppl_diff_max"])
+            corr = compute_correction(
+                CorrectionConfig(method="acrl"), sh, num_tokens=0, num_seqs=0,
+                advantages=torch.ones(b, 1), acrl=AcrlSignal(x=0.1, y=0.1),
+            )  # fmt: skip
+            m = finalize_metrics(corr.metrics)
+            assert corr.weights.shape == (b, t) and m["correction/weight_mean"] == 0.0
+            assert math.isnan(m["correction/weight_max"]) and math.isnan(m["correction/weight_min"])
 
 
 def test_strided_inputs():
@@ -193,9 +253,8 @@ def test_strided_inputs():
     wide = torch.zeros(lp.shape[0], 2 * lp.shape[1])
     wide[:, ::2] = lp  # non-unit stride along T: copied to rows first
     sh = MismatchTensors(wide[:, ::2], lq.t().contiguous().t(), mask, fused=True)
-    torch.testing.assert_close(
-        sh.seq_sums, MismatchTensors(lp, lq, mask, fused=False).seq_sums, rtol=1e-5, atol=1e-4
-    )
+    torch.testing.assert_close(sh.seq_sums, ref_seq_sums(lp, lq, mask), rtol=2e-6, atol=2e-6)
+    _assert_reference_metrics(_metrics(sh, lp, lq, mask), lp, lq, mask)
 
 
 def test_paths_that_stay_in_pytorch():
@@ -207,11 +266,15 @@ def test_paths_that_stay_in_pytorch():
     assert sh.fused
     # masks / veto / batch normalisation: ACRL's PyTorch branch on the fused sums
     for extra in ({"masks": ("seq_mis",)}, {"veto_threshold": 1e-4}, {"batch_normalize": True}):
-        cfg = dataclasses.replace(CorrectionConfig(method="acrl"), **extra)
+        cfg = dataclasses.replace(CorrectionConfig(method="acrl", seq_low=0.2, seq_high=5.0), **extra)
         kw = dict(num_tokens=int(mask.sum()), num_seqs=6, advantages=adv, acrl=AcrlSignal(x=0.02, y=0.05))
         got = compute_correction(cfg, sh, **kw)
         want = compute_correction(cfg, MismatchTensors(lp, lq, mask, fused=False), **kw)
         torch.testing.assert_close(got.weights, want.weights, rtol=2e-6, atol=1e-7)
+        w_ref = ref_weights(cfg, lp, lq, mask, adv.expand_as(lp), x=0.02, y=0.05)
+        torch.testing.assert_close(
+            got.weights.double(), torch.tensor(w_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_kernel_is_chosen_once_from_the_config_and_the_device():
@@ -242,6 +305,18 @@ def test_fused_cpu_kernel_is_refused_when_the_library_does_not_build(monkeypatch
         ValueError, match=r"correction\.kernel=fused_cpu: _fused_cpu\.c did not build.*kernel=auto"
     ):
         fused_cpu.resolve_kernel("fused_cpu", "cpu")
+    with pytest.raises(ValueError) as err:
+        fused_cpu.resolve_kernel("fused_cpu", "cpu")
+    assert str(err.value) == (
+        "correction.kernel=fused_cpu: _fused_cpu.c did not build (the log says why; a C compiler is needed: "
+        "install gcc or set $CC); set correction.kernel=auto (or torch) to use the PyTorch path"
+    )
+    with pytest.raises(ValueError) as err:
+        fused_cpu.resolve_kernel("fused_cpu", "cuda:1")
+    assert str(err.value) == (
+        "correction.kernel=fused_cpu runs on CPU tensors only, but the trainer runs on cuda:1; "
+        "set correction.kernel=auto (or torch)"
+    )
 
 
 def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
@@ -254,3 +329,34 @@ def test_native_build_is_cached_and_reports_compiler_errors(tmp_path):
     src.write_text("int answer(void) { return }\n")
     with pytest.raises(RuntimeError, match="compiling k.c failed"):
         native.build(src, tmp_path / "cache")
+
+
+def test_acrl_weights_pass_reads_every_advantage_layout_and_coefficient_dtype():
+    """The C pass called directly: ``[B]``, ``[B, 1]`` and ``[B, T]`` advantages of any float dtype,
+    with token signs that change inside a sequence, and a per-sequence coefficient in float32 or
+    float64, all give the weights of the float64 reference; a shape that does not match is refused."""
+    lp, lq, mask, adv = batch(5, pad_garbage=False)
+    b, t = lp.shape
+    tok = adv.expand(b, t).clone()
+    tok[:, 1::2] *= -1.0  # every other token flips its sign
+    coef = torch.linspace(-0.8, 0.6, b, dtype=torch.float64)
+    n_tok = int(mask.sum())
+    cfg = CorrectionConfig(method="acrl")
+    kw = {"alpha_max": None, "weight_low": None, "weight_high": None, "num_tokens": n_tok}
+    for a, want_adv in ((adv.squeeze(-1).double(), adv.expand(b, t)), (adv, adv.expand(b, t)), (tok, tok)):
+        for c in (coef, coef.float(), 0.3):
+            w, means, _ = fused_cpu.acrl_weights(lp, lq, mask, a, c, **kw)
+            cc = c.tolist() if isinstance(c, torch.Tensor) else [c] * b
+            sl = [slice(i, i + 1) for i in range(b)]
+            ref = [
+                ref_weights(cfg, lp[s], lq[s], mask[s], want_adv[s], coef=cc[i])[0] for i, s in enumerate(sl)
+            ]
+            assert w.dtype == torch.float32
+            torch.testing.assert_close(
+                w.double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-5, atol=1e-6
+            )
+            assert means[0].item() == pytest.approx(sum(map(sum, ref)) / n_tok, rel=1e-5)
+    for bad in (adv[:-1], torch.zeros(b, t + 1), torch.zeros(b, 2)):
+        with pytest.raises(ValueError) as err:
+            fused_cpu.acrl_weights(lp, lq, mask, bad, 0.3, **kw)
+        assert str(err.value) == f"advantages of shape {tuple(bad.shape)} do not match log-probs [{b}, {t}]"

@@ -1,24 +1,72 @@
-"""Policy/value/KL losses against float64 references: values, gradients, invariances."""
+"""Policy/value/KL losses against the independent float64 reference (tests/reference.py): values,
+hand-derived gradients, invariances.
+
+Every comparison here is with :func:`reference.ref_rl_loss` (explicit loops, the gradient written
+out by hand) or with numbers worked out by hand; none compares the package with itself only. The
+batches spread pi / pi_old over both PPO clip bands, so swapped clip bounds or a wrong Dr. GRPO
+denominator fail them (``tests/test_planted_bugs.py`` plants both and checks).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import ref_policy_loss, ref_weights
-from test_correction import KERNELS, batches, counts, make_batch
+from reference import counts as valid_counts
+from reference import ref_rl_loss, ref_weights
+from test_correction import KERNELS, batches, make_batch
 
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
-from megatron_acrl.correction import AcrlSignal, combine_partials, finalize_metrics
+from megatron_acrl.correction import (
+    AcrlSignal,
+    MismatchTensors,
+    batch_weight_mean,
+    combine_partials,
+    finalize_metrics,
+)
 from megatron_acrl.losses import aggregate, kl_penalty, ppo_policy_loss, rl_loss, value_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+SIG = AcrlSignal(x=0.05, y=0.09)
 
 
 def new_logprobs(lp, seed=1, scale=0.3):
+    """log pi: log pi_old moved by N(0, scale^2), so pi / pi_old spans both clip bands."""
     g = torch.Generator().manual_seed(seed)
     return (lp + scale * torch.randn(lp.shape, generator=g, dtype=lp.dtype)).clone()
+
+
+def _loss(x, lp_old, lq, adv, mask, alg, cfg, *, fused=False, acrl=SIG, entropy=None, ref=None, **kw):
+    n_tok, n_seq = valid_counts(lp_old, lq, mask)
+    return rl_loss(
+        x, lp_old, lq, adv, mask, algorithm=alg, correction=cfg, acrl=acrl, num_tokens=n_tok, num_seqs=n_seq,
+        fused=fused, entropy=entropy, ref_logprobs=ref, **kw,
+    )  # fmt: skip
+
+
+def _reference(x, lp_old, lq, adv, mask, alg, cfg, *, acrl=SIG, entropy=None, ref=None, weight_mean=None):
+    w = ref_weights(cfg, lp_old, lq, mask, adv, x=acrl.x, y=acrl.y, weight_mean=weight_mean)
+    return ref_rl_loss(
+        x.detach(), lp_old, lq, adv, mask, w, agg=alg.loss_agg, clip_low=alg.clip_low,
+        clip_high=alg.clip_high, dual_clip=alg.dual_clip, norm_len=alg.loss_norm_len, kl_coef=alg.kl_coef,
+        kl_type=alg.kl_type, ref_lp=ref, entropy=entropy, entropy_coef=alg.entropy_coef,
+    )  # fmt: skip
+
+
+def _assert_matches(loss, grads, want, *, rel):
+    value, g_ref, gh_ref = want
+    assert loss.item() == pytest.approx(value, rel=rel, abs=rel * 1e-2)
+    torch.testing.assert_close(
+        grads[0].double(), torch.tensor(g_ref, dtype=torch.float64), rtol=rel, atol=rel * 1e-2
+    )
+    if len(grads) > 1:
+        torch.testing.assert_close(
+            grads[1].double(), torch.tensor(gh_ref, dtype=torch.float64), rtol=rel, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -26,72 +74,74 @@ def new_logprobs(lp, seed=1, scale=0.3):
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_rl_loss_matches_reference_value_and_grad(agg, method, dual_clip):
     lp_old, lq, mask, adv = make_batch(seed=2, scale=0.2, dtype=torch.float64)
-    n_tok, n_seq = counts(mask)
     alg = AlgorithmConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, loss_norm_len=9)
     cfg = CorrectionConfig(method=method)
-    sig = AcrlSignal(x=0.05, y=0.09)
     x = new_logprobs(lp_old).requires_grad_()
-    loss, _ = rl_loss(
-        x, lp_old, lq, adv, mask, algorithm=alg, correction=cfg, acrl=sig, num_tokens=n_tok, num_seqs=n_seq,
-        fused=False,
-    )  # fmt: skip
+    loss, _ = _loss(x, lp_old, lq, adv, mask, alg, cfg)
     (g,) = torch.autograd.grad(loss, x)
-    w = ref_weights(cfg, lp_old, lq, mask, adv, x=0.05, y=0.09)
-    xr = x.detach().clone().requires_grad_()
-    want = ref_policy_loss(
-        xr, lp_old, adv, mask, w, clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, norm_len=9
-    )
-    (gr,) = torch.autograd.grad(want, xr)
-    assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
-    torch.testing.assert_close(g, gr, rtol=1e-9, atol=1e-12)
+    _assert_matches(loss, (g,), _reference(x, lp_old, lq, adv, mask, alg, cfg), rel=1e-10)
     assert (g[~mask] == 0).all()
 
 
 @pytest.mark.parametrize("agg", AGGS)
-def test_gradcheck_policy_kl_entropy(agg):
-    lp_old, lq, mask, adv = make_batch(seed=4, b=3, t=4, dtype=torch.float64)
-    n_tok, n_seq = counts(mask)
-    ref = lp_old - 0.1
-    alg = AlgorithmConfig(
-        loss_agg=agg, kl_coef=0.3, entropy_coef=0.01, loss_norm_len=4, clip_low=0.2, clip_high=0.3
+@pytest.mark.parametrize("kl_type", ["k1", "k3"])
+def test_gradcheck_policy_kl_entropy(agg, kl_type):
+    """The whole loss (clipped surrogate, KL to a reference model, entropy bonus) against the
+    reference's hand-written gradient, where pi / pi_old spans both clip bands; and, where the
+    surrogate is smooth, against finite differences."""
+    lp_old, lq, mask, adv = make_batch(seed=4, b=5, t=7, dtype=torch.float64)
+    ref = (
+        lp_old
+        - 0.1
+        + 0.05 * torch.randn(lp_old.shape, generator=torch.Generator().manual_seed(5), dtype=lp_old.dtype)
     )
+    alg = AlgorithmConfig(
+        loss_agg=agg,
+        kl_coef=0.3,
+        kl_type=kl_type,
+        entropy_coef=0.01,
+        loss_norm_len=4,
+        clip_low=0.2,
+        clip_high=0.3,
+    )
+    cfg = CorrectionConfig(method="tis")
+    ent = torch.rand(lp_old.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
 
-    def f(x, ent):
-        loss, _ = rl_loss(
-            x,
-            lp_old,
-            lq,
-            adv,
-            mask,
-            algorithm=alg,
-            correction=CorrectionConfig(method="tis"),
-            acrl=None,
-            num_tokens=n_tok,
-            num_seqs=n_seq,
-            fused=False,
-            entropy=ent,
-            ref_logprobs=ref,
-        )
-        return loss
+    def f(x, h):
+        return _loss(x, lp_old, lq, adv, mask, alg, cfg, entropy=h, ref=ref)[0]
 
-    # Keep ratios inside the clip band so the surrogate is smooth where gradcheck probes it.
-    x = (lp_old + 0.01).clone().requires_grad_()
-    ent = torch.rand(lp_old.shape, dtype=torch.float64).requires_grad_()
-    assert torch.autograd.gradcheck(f, (x, ent))
+    x = new_logprobs(lp_old, scale=0.4).requires_grad_()
+    h = ent.clone().requires_grad_()
+    loss = f(x, h)
+    grads = torch.autograd.grad(loss, (x, h))
+    _assert_matches(
+        loss, grads, _reference(x, lp_old, lq, adv, mask, alg, cfg, entropy=ent, ref=ref), rel=1e-10
+    )
+    # finite differences where every ratio is inside the clip band (the surrogate is smooth there)
+    smooth = (lp_old + 0.01).clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (smooth, ent.clone().requires_grad_()))
 
 
 @pytest.mark.parametrize("kind", ["k1", "k3"])
 def test_kl_penalty_reference(kind):
-    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
-    ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    """KL(pi || pi_ref) per token, written from its definition: k1 = log pi - log pi_ref,
+    k3 = u - 1 - log u with u = pi_ref / pi (>= 0); d/d log pi: 1, and 1 - u (0 where |log u| > 20)."""
+    lp_vals = [-1.0, -2.0, -0.3, -5.0, -0.01, -30.0]
+    ref_vals = [-1.5, -1.0, -0.3, -0.2, -4.0, -1.0]
+    lp = torch.tensor([lp_vals], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([ref_vals], dtype=torch.float64)
     kl = kl_penalty(lp, ref, kind)
-    if kind == "k1":
-        want = lp.detach() - ref
-    else:
-        r = torch.exp(ref - lp.detach())
-        want = r - 1 - torch.log(r)
-    torch.testing.assert_close(kl.detach(), want)
-    assert torch.autograd.gradcheck(lambda x: kl_penalty(x, ref, kind), (lp,))
+    (grad,) = torch.autograd.grad(kl.sum(), lp)
+    for j, (a, r) in enumerate(zip(lp_vals, ref_vals, strict=True)):
+        if kind == "k1":
+            want, dwant = a - r, 1.0
+        else:
+            log_u = max(-20.0, min(20.0, r - a))
+            u = math.exp(log_u)
+            want, dwant = u - 1.0 - log_u, (1.0 - u if abs(r - a) < 20 else 0.0)
+            assert want >= 0
+        assert kl[0, j].item() == pytest.approx(want, rel=1e-12, abs=1e-15), j
+        assert grad[0, j].item() == pytest.approx(dwant, rel=1e-12, abs=1e-15), j
 
 
 def test_value_loss_reference_and_gradcheck():
@@ -101,76 +151,76 @@ def test_value_loss_reference_and_gradcheck():
     ret = torch.randn(3, 5, generator=g, dtype=torch.float64)
     mask = torch.rand(3, 5, generator=g) > 0.3
     loss, met = value_loss(v, old, ret, mask, clip=0.2, num_tokens=int(mask.sum()))
-    want = 0.0
+    want, grad, clipped = 0.0, torch.zeros(3, 5, dtype=torch.float64), 0
+    n = int(mask.sum())
     for i in range(3):
         for t in range(5):
             if mask[i, t]:
-                vc = float(old[i, t]) + max(-0.2, min(0.2, float(v.detach()[i, t]) - float(old[i, t])))
-                want += 0.5 * max(
-                    (float(v.detach()[i, t]) - float(ret[i, t])) ** 2, (vc - float(ret[i, t])) ** 2
-                )
-    assert loss.item() == pytest.approx(want / int(mask.sum()))
+                vv, vo, r = float(v.detach()[i, t]), float(old[i, t]), float(ret[i, t])
+                vc = vo + max(-0.2, min(0.2, vv - vo))
+                a, b = (vv - r) ** 2, (vc - r) ** 2
+                want += 0.5 * max(a, b) / n
+                clipped += b > a
+                # d/dV: the unclipped branch, or the clipped one (whose V-dependence is 0 once clipped)
+                grad[i, t] = ((vv - r) if a >= b else ((vc - r) if abs(vv - vo) < 0.2 else 0.0)) / n
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    (g_got,) = torch.autograd.grad(loss, v)
+    torch.testing.assert_close(g_got, grad, rtol=1e-10, atol=1e-14)
+    assert met["critic/value_clipfrac"].item() == pytest.approx(clipped / n)
     assert torch.autograd.gradcheck(
         lambda x: value_loss(x, old, ret, mask, clip=0.2, num_tokens=int(mask.sum()))[0], (v,)
     )
-    assert 0 <= met["critic/value_clipfrac"].item() <= 1
 
 
 @settings(max_examples=30, deadline=None)
 @given(batches(), st.sampled_from(AGGS), st.sampled_from(KERNELS))
 def test_acrl_gamma_zero_equals_plain_loss(batch, agg, fused):
+    """gamma = 0 is the uncorrected loss exactly (both kernels), and both are the reference's."""
     lp_old, lq, mask, adv = batch
-    n_tok, n_seq = counts(mask)
-    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8)
+    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, clip_low=0.2, clip_high=0.28)  # DAPO's clip-higher
     x = new_logprobs(lp_old).requires_grad_()
     out = []
     for cfg in (CorrectionConfig(method="none"), CorrectionConfig(method="acrl", gamma=0.0)):
-        loss, _ = rl_loss(
-            x,
-            lp_old,
-            lq,
-            adv,
-            mask,
-            algorithm=alg,
-            correction=cfg,
-            acrl=AcrlSignal(0.1, 0.5),
-            num_tokens=n_tok,
-            num_seqs=n_seq,
-            fused=fused,
-        )
+        loss, _ = _loss(x, lp_old, lq, adv, mask, alg, cfg, fused=fused, acrl=AcrlSignal(0.1, 0.5))
         (grad,) = torch.autograd.grad(loss, x)
         out.append((loss.detach(), grad))
     assert torch.equal(out[0][0], out[1][0])
     assert torch.equal(out[0][1], out[1][1])
+    want = _reference(x, lp_old, lq, adv, mask, alg, CorrectionConfig(method="none"))
+    _assert_matches(out[0][0], (out[0][1],), want, rel=2e-5)
 
 
 @settings(max_examples=30, deadline=None)
-@given(batches(), st.sampled_from(AGGS), st.sampled_from(["none", "tis", "acrl", "geo_mis"]), st.data())
+@given(
+    batches(),
+    st.sampled_from(AGGS),
+    st.sampled_from(["none", "tis", "acrl", "geo_mis", "tis+norm", "acrl+norm"]),
+    st.data(),
+)
 def test_micro_batches_with_global_denominators_match_whole_batch(batch, agg, method, data):
+    """Two micro-batches with the step's global denominators (and, for batch_normalize, its global
+    mean weight) give the whole batch's loss, gradient and metrics, which are the reference's."""
     lp_old, lq, mask, adv = (t.double() if t.is_floating_point() else t for t in batch)
-    n_tok, n_seq = counts(mask)
-    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, kl_coef=0.1)
-    cfg = CorrectionConfig(method=method, geo_low=0.5, geo_high=2.0)
+    n_tok, n_seq = valid_counts(lp_old, lq, mask)
+    alg = AlgorithmConfig(loss_agg=agg, loss_norm_len=8, kl_coef=0.1, clip_low=0.2, clip_high=0.28)
+    name, _, norm = method.partition("+")
+    cfg = CorrectionConfig(method=name, geo_low=0.5, geo_high=2.0, batch_normalize=bool(norm))
     ref = lp_old - 0.05
     x = new_logprobs(lp_old).requires_grad_()
     ent = torch.rand(lp_old.shape, dtype=torch.float64)
+    sig = AcrlSignal(0.1, 0.2)
+    mean = None
+    if cfg.batch_normalize:  # once, over the whole batch, before the micro-batches
+        mean = batch_weight_mean(
+            cfg, MismatchTensors(lp_old, lq, mask, fused=False), advantages=adv, acrl=sig
+        )
 
     def run(sl):
         return rl_loss(
-            x[sl],
-            lp_old[sl],
-            lq[sl],
-            adv[sl],
-            mask[sl],
-            algorithm=alg,
-            correction=cfg,
-            acrl=AcrlSignal(0.1, 0.2),
-            num_tokens=n_tok,
-            num_seqs=n_seq,
-            fused=False,
-            entropy=ent[sl],
-            ref_logprobs=ref[sl],
-        )
+            x[sl], lp_old[sl], lq[sl], adv[sl], mask[sl], algorithm=alg, correction=cfg, acrl=sig,
+            num_tokens=n_tok, num_seqs=n_seq, fused=False, entropy=ent[sl], ref_logprobs=ref[sl],
+            weight_mean=mean,
+        )  # fmt: skip
 
     b = lp_old.shape[0]
     whole, m_whole = run(slice(0, b))
@@ -180,11 +230,56 @@ def test_micro_batches_with_global_denominators_match_whole_batch(batch, agg, me
     (g_parts,) = torch.autograd.grad(l1 + l2, x)
     assert (l1 + l2).item() == pytest.approx(whole.item(), rel=1e-10, abs=1e-12)
     torch.testing.assert_close(g_parts, g_whole)
+    want = _reference(x, lp_old, lq, adv, mask, alg, cfg, acrl=sig, entropy=ent, ref=ref)
+    _assert_matches(whole, (g_whole,), want, rel=1e-9)
     fw, fp = finalize_metrics(m_whole), finalize_metrics(combine_partials([m1, m2]))
+    assert fw.keys() == fp.keys()
     for k in fw:
-        # std = sqrt(E[w^2] - E[w]^2) turns 1e-16 rounding of the sums into 1e-8.
-        tol = 1e-6 if k.endswith("weight_std") else 1e-12
-        assert fp[k] == pytest.approx(fw[k], rel=1e-9, abs=tol, nan_ok=True), k
+        assert fp[k] == pytest.approx(fw[k], rel=1e-9, abs=1e-12, nan_ok=True), k
+    if cfg.batch_normalize:
+        assert fw["correction/weight_mean"] == pytest.approx(1.0 if n_tok else 0.0, rel=1e-12, abs=1e-12)
+
+
+def test_batch_normalize_by_the_micro_batch_moved_the_loss():
+    """The defect: each micro-batch normalised by its own mean moved the loss by up to 40% between
+    two cuts of the same batch. With the batch's mean passed down, every cut gives the reference."""
+    g = torch.Generator().manual_seed(8)
+    lp_old = -torch.rand(8, 12, generator=g, dtype=torch.float64) * 2
+    lq = lp_old.clone()
+    lq[:4] += 0.8  # half the batch far off-policy: its TIS weights are small
+    mask = torch.ones(8, 12, dtype=torch.bool)
+    adv = torch.randn(8, 1, generator=g, dtype=torch.float64).expand(8, 12)
+    alg = AlgorithmConfig(loss_agg="token-mean")
+    cfg = CorrectionConfig(method="tis", batch_normalize=True)
+    x = new_logprobs(lp_old)
+    sh = MismatchTensors(lp_old, lq, mask, fused=False)
+    mean = batch_weight_mean(cfg, sh)
+    want = _reference(x, lp_old, lq, adv, mask, alg, cfg)[0]
+    for cut in (2, 4, 6):
+        parts = [
+            rl_loss(x[sl], lp_old[sl], lq[sl], adv[sl], mask[sl], algorithm=alg, correction=cfg, acrl=None,
+                    num_tokens=96, num_seqs=8, fused=False, weight_mean=mean)[0]
+            for sl in (slice(0, cut), slice(cut, 8))
+        ]  # fmt: skip
+        assert sum(parts).item() == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("fused", KERNELS)
+def test_nonfinite_old_logprob_never_reaches_the_gradient(fused):
+    """A NaN / Inf log pi_old on a valid token: dropped from the loss like padding (zero gradient),
+    the rest of the loss is the reference's without that token."""
+    lp_old, lq, mask, adv = make_batch(seed=6, scale=0.2)
+    lp_old[1, 0], lp_old[2, 0] = float("nan"), -float("inf")
+    assert mask[1, 0] and mask[2, 0]
+    alg = AlgorithmConfig(loss_agg="seq-mean-token-mean", kl_coef=0.1)
+    cfg = CorrectionConfig(method="acrl")
+    x = new_logprobs(torch.nan_to_num(lp_old, nan=-1.0, neginf=-1.0)).requires_grad_()
+    ref = x.detach() - 0.1
+    loss, metrics = _loss(x, lp_old, lq, adv, mask, alg, cfg, fused=fused, ref=ref)
+    (g,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(g).all() and g[1, 0] == 0 and g[2, 0] == 0
+    assert finalize_metrics(metrics)["mismatch/nonfinite_tokens"] == 2
+    _assert_matches(loss, (g,), _reference(x, lp_old, lq, adv, mask, alg, cfg, ref=ref), rel=1e-5)
 
 
 def test_aggregate_modes_by_hand():
@@ -239,3 +334,47 @@ def test_kl_needs_reference():
             num_seqs=2,
             fused=False,
         )
+
+
+def test_reference_weights_are_not_the_package_weights_by_construction():
+    """A sanity check of the reference itself on numbers worked out by hand (rho = e^0.5, e^-1)."""
+    lp = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    lq = torch.tensor([[-0.5, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    tis = ref_weights(dataclasses.replace(CorrectionConfig(), method="tis", tis_high=1.5), lp, lq, mask)
+    assert tis == [[1.5, pytest.approx(math.exp(-1.0))]]
+    acrl = ref_weights(
+        CorrectionConfig(method="acrl", gamma=1.0), lp, lq, mask, torch.ones(1, 2), x=0.1, y=0.2
+    )
+    assert acrl == [[pytest.approx(math.exp(-0.5)), pytest.approx(math.exp(1.0))]]  # alpha = -1
+
+
+def test_value_loss_clips_both_sides_and_counts_one_token():
+    """V moved past V_old -+ clip on either side: the clipped branch is the one the loss takes; one
+    valid token is its own denominator (its clip fraction is 1, not 1/2)."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    v = torch.tensor([[-1.0, 1.0, 0.1, -1.0]], dtype=torch.float64, requires_grad=True)
+    ret = torch.tensor([[-2.0, 2.0, 0.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    loss, met = value_loss(v, old, ret, mask, clip=0.2, num_tokens=3)
+    # clipped values -0.2, 0.2, 0.1: (V_c - R)^2 = 3.24, 3.24, 0.01 beat (V - R)^2 = 1, 1, 0.01 on two
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 3.24 + 0.01) / 3, rel=1e-12)
+    assert set(met) == {"critic/value_loss", "critic/value_clipfrac"}
+    assert met["critic/value_loss"].item() == loss.item() and not met["critic/value_loss"].requires_grad
+    assert met["critic/value_clipfrac"].item() == pytest.approx(2 / 3)
+    assert met["critic/value_clipfrac"].dtype == torch.float64  # the values' dtype, not int / int
+    one = torch.tensor([[True, False, False, False]])
+    _, met = value_loss(v, old, ret, one, clip=0.2, num_tokens=1)
+    assert met["critic/value_clipfrac"].item() == 1.0
+
+
+def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
+    from megatron_acrl.losses import sft_loss
+
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, met = sft_loss(lp, lp, lp, lp, mask, num_tokens=5, algorithm=None)  # 5: other micro-batches'
+    assert loss.item() == pytest.approx((1.0 + 2.0 + 0.5) / 5, rel=1e-12)
+    assert set(met) == {"sft/nll"} and met["sft/nll"].item() == loss.item()
+    (grad,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(grad, -mask.double() / 5)

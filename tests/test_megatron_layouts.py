@@ -4,7 +4,9 @@ A single-rank fp32 run (TP=PP=EP=DP=1) of each model is the reference. Every par
 the reference's initial weights through the HF tables, then runs forward-only log-probs, two ACRL
 controller updates and one Adam step (eps >> |g|, no clipping: the update is ~ minus the gradient)
 with the real loss. Loss, metrics, controller state, the forward-only log-probs and every updated
-parameter (exported back to HF names) must match the reference. A negative control loads wrongly
+parameter (exported back to HF names) must match the reference. qwen2 also normalises the weights
+(``correction.batch_normalize``) and its reference trains the batch as one micro-batch, so one mean
+weight of the whole batch must reach every micro-batch of every layout. A negative control loads wrongly
 sharded weights and must fail the same comparison.
 
 The PPO critic (``megatron_acrl.megatron.critic``: value head instead of the vocab projection) gets

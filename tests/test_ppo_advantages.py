@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -73,3 +75,56 @@ def test_ppo_needs_the_critic_values():
     del tb["values"]
     with pytest.raises(KeyError, match="Critic.forward_values"):
         compute_advantages(tb, config_from_dict({"algorithm": {"name": "ppo"}}))
+
+
+def test_last_token_rewards_edges_and_dtype():
+    """A response of one token at position 0 still gets its reward; float64 rewards stay float64."""
+    mask = torch.tensor([[1, 0, 0], [0, 0, 0], [0, 1, 1]])
+    r = last_token_rewards(torch.tensor([0.1, 7.0, -0.3], dtype=torch.float64), mask)
+    assert r.dtype == torch.float64
+    assert r.tolist() == [[0.1, 0, 0], [0, 0, 0], [0, 0, -0.3]]
+
+
+def test_masked_whiten_small_counts():
+    """One valid token whitens to 0; two use n - 1 = 1; a constant input is 0, never NaN (eps > 0)."""
+    x = torch.tensor([[5.0, 1.0, 3.0]], dtype=torch.float64)
+    assert masked_whiten(x, torch.tensor([[1, 0, 0]])).tolist() == [[0.0, 0.0, 0.0]]
+    two = masked_whiten(x, torch.tensor([[1, 1, 0]]))
+    # mean 3, unbiased var (4 + 4) / 1 = 8
+    assert two[0].tolist() == pytest.approx(
+        [2 / math.sqrt(8 + 1e-8), -2 / math.sqrt(8 + 1e-8), 0.0], rel=1e-12
+    )
+    const = masked_whiten(torch.full((2, 2), 4.0, dtype=torch.float64), torch.ones(2, 2))
+    assert const.tolist() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_ppo_metrics_are_token_means_of_the_raw_advantages():
+    tb = _batch()
+    cfg = config_from_dict({"algorithm": {"name": "ppo", "gae_gamma": 0.9, "gae_lambda": 0.8}})
+    raw, metrics = ppo_advantages(tb, cfg.algorithm, whiten=False)
+    mask = tb["loss_mask"]
+    n = mask.sum().item()
+    want = {
+        "advantages/mean": raw.sum().item() / n,
+        "advantages/abs_mean": raw.abs().sum().item() / n,
+        "critic/returns_mean": tb["returns"].sum().item() / n,
+        "critic/values_mean": (tb["values"] * mask).sum().item() / n,
+    }
+    assert metrics == pytest.approx(want, rel=1e-6)
+    one = {
+        "rewards": torch.tensor([2.0]),
+        "loss_mask": torch.tensor([[0.0, 1.0]]),
+        "values": torch.tensor([[9.0, 0.5]]),
+    }
+    _, m1 = ppo_advantages(one, cfg.algorithm, whiten=False)  # one token: its own mean
+    want1 = {
+        "advantages/mean": 1.5,
+        "advantages/abs_mean": 1.5,
+        "critic/returns_mean": 2.0,
+        "critic/values_mean": 0.5,
+    }
+    assert m1 == pytest.approx(want1)
+    del tb["values"]
+    with pytest.raises(KeyError) as err:
+        ppo_advantages(tb, cfg.algorithm)
+    assert err.value.args == ("algorithm.name=ppo needs tb['values'] from Critic.forward_values first",)

@@ -23,8 +23,8 @@ from megatron_acrl.correction.metrics import (
     row_sums,
     weight_metrics,
 )
-from megatron_acrl.correction.mismatch import MismatchTensors
-from megatron_acrl.correction.weights import METHODS, Correction, compute_correction
+from megatron_acrl.correction.mismatch import MismatchTensors, valid_mask
+from megatron_acrl.correction.weights import METHODS, Correction, batch_weight_mean, compute_correction
 
 __all__ = [
     "METHODS",
@@ -35,6 +35,7 @@ __all__ = [
     "acrl_alpha",
     "acrl_coefficient",
     "acrl_discrepancy_stats",
+    "batch_weight_mean",
     "combine_partials",
     "compute_correction",
     "finalize_metrics",
@@ -43,5 +44,6 @@ __all__ = [
     "reduce_kind",
     "row_sums",
     "sequence_discrepancy",
+    "valid_mask",
     "weight_metrics",
 ]

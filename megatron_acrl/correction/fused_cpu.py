@@ -26,7 +26,8 @@ from ckernels import load_library
 from megatron_acrl.config import CorrectionKernel
 
 SOURCE = Path(__file__).with_name("_fused_cpu.c")
-NUM_ROWS = 9  # rows of MismatchTensors.ROWS, in that order
+NUM_ROWS = 10  # rows of MismatchTensors.ROWS, in that order
+NUM_PARTIALS = 23  # values of mismatch_partials (metrics._MISMATCH_NAMES)
 # "no bound" for the kernel, which is compiled for finite arithmetic (an inf bound would be folded)
 _NO_BOUND = 3.0e38
 
@@ -39,7 +40,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.acrl_mismatch_pass.restype = None
-    lib.acrl_mismatch_pass.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p]
+    lib.acrl_mismatch_pass.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p]
     lib.acrl_weights_pass.restype = None
     lib.acrl_weights_pass.argtypes = [
         _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # inputs, shape, strides
@@ -113,7 +114,7 @@ def _mask_bytes(mask: Tensor) -> Tensor:
 
 def mismatch_pass(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-sequence row sums, token extrema and the controller's statistics of one micro-batch.
 
     Args:
@@ -121,23 +122,27 @@ def mismatch_pass(
             may hold anything).
         mask: ``[B, T]`` response mask.
     Returns:
-        ``seq_sums`` ``[9, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`), ``extremes`` ``[3]``
-        float64: max over valid tokens of -log rho, log rho and |pi_old - mu| (-inf if none), and
+        ``seq_sums`` ``[10, B]`` float64 (rows of :attr:`MismatchTensors.ROWS`: sums over the valid
+        tokens, mask set and both log-probs finite, and the count of masked-in non-finite ones),
+        ``extremes`` ``[3]`` float64: max over valid tokens of -log rho, log rho and |pi_old - mu|
+        (-inf if none), and
         ``discrepancy`` ``[3, 2]`` float64: for ``prob_abs``, ``logprob_abs`` and ``k3`` (rows, in
         :data:`DISCREPANCY_INDEX` order) the sum over sequences with a valid token of their mean
-        distance (ACRL's Y_i) and the number of such sequences: ``acrl_discrepancy_stats`` per row.
+        distance (ACRL's Y_i) and the number of such sequences: ``acrl_discrepancy_stats`` per row,
+        and ``valid`` ``[B, T]`` bool, the valid tokens.
     """
     old, roll, m = _rows(old_logprobs.detach()), _rows(rollout_logprobs.detach()), _mask_bytes(mask)
     b, t = old.shape
     # one buffer for every output: on a CPU each allocation is a call worth saving (see the module doc)
     n = NUM_ROWS * b
     out = torch.empty(n + 9, dtype=torch.float64)
+    valid = torch.empty((b, t), dtype=torch.bool)
     ptr = out.data_ptr()
     _lib().acrl_mismatch_pass(  # type: ignore[union-attr]
         old.data_ptr(), roll.data_ptr(), m.data_ptr(), b, t, old.stride(0), roll.stride(0), m.stride(0),
-        ptr, ptr + 8 * (n + 6), ptr + 8 * n,
+        ptr, ptr + 8 * (n + 6), ptr + 8 * n, valid.data_ptr(),
     )  # fmt: skip
-    return out[:n].view(NUM_ROWS, b), out[n + 6 :], out[n : n + 6].view(3, 2)
+    return out[:n].view(NUM_ROWS, b), out[n + 6 :], out[n : n + 6].view(3, 2), valid
 
 
 DISCREPANCY_INDEX = {"prob_abs": 0, "logprob_abs": 1, "k3": 2}
@@ -153,7 +158,7 @@ def acrl_weights(
     alpha_max: float | None,
     weight_low: float | None,
     weight_high: float | None,
-    num_tokens: int | Tensor = 1,
+    num_tokens: int | Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """ACRL weights ``exp(clamp(alpha * clamp(log rho)))`` and their sums, in one pass.
 
@@ -167,8 +172,9 @@ def acrl_weights(
         alpha_max: bound on ``|alpha|``; weight_low / weight_high: clamp of the weights (None: none).
         num_tokens: the global token count the sums are divided by.
     Returns:
-        ``weights`` ``[B, T]`` float32 (0 on padding), ``means`` ``[4]`` float64: sums over valid
-        tokens of w, w^2, alpha, |alpha| divided by ``num_tokens`` (partial means),
+        ``weights`` ``[B, T]`` float32 (0 off the valid tokens), ``means`` ``[5]`` float64: sums over
+        valid tokens of w, (w - 1)^2, alpha, |alpha| and of the saturated tokens (|alpha log rho| at
+        the bound) divided by ``num_tokens`` (partial means),
         ``extremes`` ``[2]`` float64 (max w, min w; -inf/+inf if none).
     """
     old, roll, m = _rows(old_logprobs.detach()), _rows(rollout_logprobs.detach()), _mask_bytes(mask)
@@ -188,14 +194,14 @@ def acrl_weights(
     else:
         coef0 = float(coef)
     weights = torch.empty((b, t), dtype=torch.float32)
-    sums = torch.empty(6, dtype=torch.float64)  # 4 means, then max w and min w
+    sums = torch.empty(7, dtype=torch.float64)  # 5 means, then max w and min w
     _lib().acrl_weights_pass(  # type: ignore[union-attr]
         old.data_ptr(), roll.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, old.stride(0), roll.stride(0),
         m.stride(0), sa_b, sa_t, None if per_seq is None else per_seq.data_ptr(), coef0,
         _bound(alpha_max), 0.0 if weight_low is None else weight_low, _bound(weight_high),
-        1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), sums.data_ptr() + 32,
+        1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), sums.data_ptr() + 40,
     )  # fmt: skip
-    return weights, sums[:4], sums[4:]
+    return weights, sums[:5], sums[5:]
 
 
 def _bound(x: float | None) -> float:
@@ -205,12 +211,12 @@ def _bound(x: float | None) -> float:
 def mismatch_partials(
     seq_sums: Tensor, extremes: Tensor, num_tokens: int | Tensor, num_seqs: int | Tensor
 ) -> Tensor:
-    """``[17]`` float64 partial mismatch metrics from :func:`mismatch_pass`'s output.
+    """``[NUM_PARTIALS]`` float64 partial mismatch metrics from :func:`mismatch_pass`'s output.
 
     Same values, in the same order, as ``mismatch_metrics``' PyTorch path (its ``_MISMATCH_NAMES``).
     """
     n_tok, n_seq = max(float(num_tokens), 1.0), max(float(num_seqs), 1.0)
-    out = torch.empty(17, dtype=torch.float64)
+    out = torch.empty(NUM_PARTIALS, dtype=torch.float64)
     _lib().acrl_mismatch_partials(  # type: ignore[union-attr]
         seq_sums.data_ptr(), seq_sums.shape[1], extremes.data_ptr(),
         1.0 / n_tok, 1.0 / n_seq, math.log(n_seq), out.data_ptr(),

@@ -67,13 +67,15 @@ def _denominator(n: int | Tensor, like: Tensor) -> Tensor | float:
 
 # Partial names of mismatch_metrics' flat result, in order; None marks a by-product that is dropped.
 _MISMATCH_NAMES = (
-    # token means of rows neg_log_ratio .. rho_sq_m1
-    "kl", None, "prob_abs_diff", "logprob_abs_diff", "k3_kl", "chi2_token",
-    # sequence means
-    "training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff", "log_ppl_abs_diff",
-    "chi2_seq_lse",
-    # extremes: max(-log rho), max log rho, max |dp|, max |log rho|, min log rho
-    None, "log_ratio_max", "prob_abs_diff_max", "logprob_abs_diff_max", "log_ratio_min",
+    # token means of rows neg_log_ratio .. rho_sq_m1, then the count of non-finite tokens dropped
+    "kl", None, "prob_abs_diff", "logprob_abs_diff", "k3_kl", "chi2_token", "nonfinite_tokens",
+    # sequence means (the *_log_ppl are verl's names: mean over sequences of -mean_t log p)
+    "training_ppl", "rollout_ppl", "ppl_ratio", "training_log_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "chi2_seq_lse",
+    # maxima: of -log rho, log rho, |dp| over tokens, of +-mean log(mu / pi_old) over sequences
+    None, "log_ratio_max", "prob_abs_diff_max", "log_ppl_diff_max", None,
+    # derived: max |log rho|, min log rho, min mean log(mu / pi_old)
+    "logprob_abs_diff_max", "log_ratio_min", "log_ppl_diff_min",
 )  # fmt: skip
 
 
@@ -91,41 +93,50 @@ def mismatch_metrics(
         num_tokens: global number of valid tokens (all micro-batches and ranks).
         num_seqs: global number of sequences with at least one valid token.
     Returns:
-        Partial metrics (see module doc), keys prefixed with ``prefix``; with rho = pi_old / mu:
-        ``kl`` (k1 = E[log mu - log pi_old]), ``k3_kl`` (E[rho - 1 - log rho]), ``chi2_token``
-        (E[rho^2] - 1), ``chi2_seq_lse`` (log E[(prod rho)^2]; final ``chi2_seq``), ``training_ppl``,
-        ``rollout_ppl``, ``log_ppl_diff``, ``log_ppl_abs_diff``, ``ppl_ratio`` (sequence means),
-        ``logprob_abs_diff``, ``prob_abs_diff`` (token means), ``logprob_abs_diff_max``,
-        ``prob_abs_diff_max``, ``log_ratio_max``/``log_ratio_min``.
+        Partial metrics (see module doc), keys prefixed with ``prefix``; with rho = pi_old / mu and
+        d_i = mean_t log(mu / pi_old) of sequence i: ``kl`` (k1 = E[log mu - log pi_old]), ``k3_kl``
+        (E[rho - 1 - log rho]), ``chi2_token`` (E[rho^2] - 1), ``chi2_seq_lse`` (log E[(prod rho)^2];
+        final ``chi2_seq``), ``training_ppl``, ``rollout_ppl`` (E_seq[exp(-mean_t log p)]),
+        ``training_log_ppl``, ``rollout_log_ppl`` (E_seq[-mean_t log p]), ``log_ppl_diff``,
+        ``log_ppl_abs_diff``, ``ppl_ratio`` (E_seq of d_i, |d_i|, exp d_i), ``log_ppl_diff_max`` /
+        ``_min`` (over sequences), ``logprob_abs_diff``, ``prob_abs_diff`` (token means),
+        ``logprob_abs_diff_max``, ``prob_abs_diff_max``, ``log_ratio_max`` / ``_min`` (over tokens)
+        and ``nonfinite_tokens`` (masked-in tokens dropped for a NaN/Inf log-prob; a count).
     """
     if sh.fused:
         values = fused_cpu.mismatch_partials(sh.seq_sums, sh.extremes, num_tokens, num_seqs)
-        return {
-            prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None
-        }
+    else:
+        values = _mismatch_partials(sh, num_tokens, num_seqs)
+    return {prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None}
+
+
+def _mismatch_partials(sh: MismatchTensors, num_tokens: int | Tensor, num_seqs: int | Tensor) -> Tensor:
+    """The PyTorch path of :func:`mismatch_metrics`: ``[len(_MISMATCH_NAMES)]`` float64, in order."""
     ss = sh.seq_sums
     f64, dev = ss.dtype, ss.device
     tok = ss[2:8].sum(-1) * _denominator(num_tokens, ss)
-    # Per sequence: mean log pi_old, mean log mu, mean log(mu / pi_old) = log ppl_train - log ppl_rollout.
-    means = ss[:3] / sh.lens_c
-    # exp(-mean log pi_old), exp(-mean log mu): the perplexities; exp(log ppl diff), saturated like rho.
-    bound = LOG_RATIO_BOUND
+    bad = ss[9:].sum(-1)
+    # Per sequence: -mean log pi_old, -mean log mu (the log perplexities), d = mean log(mu / pi_old).
+    nm = ss[:3] / sh.lens_c * cached_const(((-1.0,), (-1.0,), (1.0,)), f64, dev)
+    bound = LOG_RATIO_BOUND  # exp(d) is saturated like rho
     ppl = torch.exp(
-        torch.clamp(
-            means * cached_const(((-1.0,), (-1.0,), (1.0,)), f64, dev),
+        nm.clamp(
             cached_const(((-math.inf,), (-math.inf,), (-bound,)), f64, dev),
             cached_const(((math.inf,), (math.inf,), (bound,)), f64, dev),
         )
     )
-    seq_rows = torch.cat([ppl, means[2:], means[2:].abs()])  # [5, B]; empty sequences drop out below
+    seq_rows = torch.cat([ppl, nm, nm[2:].abs()])  # [7, B]; empty sequences drop out below
     seq = torch.mv(seq_rows, sh.valid_f) * _denominator(num_seqs, ss)
+    seq_pad = torch.log(sh.valid_f)  # 0 for sequences with a valid token, -inf for the others
     # chi2_seq: log E[(prod rho)^2] = logsumexp_i(2 * sum_t log rho) - log(num_seqs); no overflow.
-    two_s = torch.log(sh.valid_f).add_(ss[3], alpha=2.0)  # -inf for empty sequences
-    chi2_lse = torch.logsumexp(two_s, dim=0, keepdim=True) - _log_count(num_seqs, ss)
-    ext = sh.extremes  # max(-log rho) = -min(log rho), max log rho, max |dp|
-    ext = torch.cat([ext, ext[:2].amax(0, keepdim=True), -ext[:1]])
-    values = torch.cat([tok, seq, chi2_lse, ext])
-    return {prefix + k: v for k, v in zip(_MISMATCH_NAMES, values.unbind(0), strict=True) if k is not None}
+    chi2_lse = torch.logsumexp(torch.add(seq_pad, ss[3], alpha=2.0), 0, keepdim=True)
+    chi2_lse = chi2_lse - _log_count(num_seqs, ss)
+    if ss.shape[1] == 0:  # no sequence: maxima of nothing
+        peaks = cached_const((-math.inf,) * 5, f64, dev)
+    else:  # token maxima per sequence, then +-d over sequences: one reduction
+        pm = nm[2:] * cached_const(((1.0,), (-1.0,)), f64, dev) + seq_pad
+        peaks = torch.cat([sh.seq_max, pm]).amax(-1)
+    return torch.cat([tok, bad, seq, chi2_lse, peaks, peaks[:2].amax(0, keepdim=True), -peaks[0::4]])
 
 
 def _log_count(n: int | Tensor, like: Tensor) -> Tensor | float:
@@ -164,26 +175,37 @@ def weight_metrics(
     prefix: str = "correction/",
     extra_token_rows: dict[str, Tensor] | None = None,
     pad: Tensor | None = None,
+    mask_f: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Partial statistics of per-token correction weights over valid tokens.
 
     Args:
         weights: ``[B, T]`` detached, finite, non-negative correction weights (0 on padding and
-            where a token/sequence is masked out).
+            where a token/sequence is masked out); squared in float64.
         mask: ``[B, T]`` response mask.
         num_tokens: global number of valid tokens.
         extra_token_rows: further ``[B, T]`` rows averaged in the same reduction (full key names).
         pad: ``[B, T]`` 0 on valid tokens, -inf on padding (:attr:`MismatchTensors.pad`); derived
-            from ``mask`` when None.
+            from ``mask`` when None; mask_f: ``mask`` as a float64 row (:attr:`MismatchTensors.mask_f`),
+            likewise.
     Returns:
-        ``weight_mean``, ``weight_sq_mean`` (sum-reduced; std and ``ess`` are derived in
-        :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
+        ``weight_mean``, ``weight_dev_sq_mean`` (``E[(w - 1)^2]``, sum-reduced; the std, ``E[w^2]``
+        and ``ess`` are derived in :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
     """
     w = weights.detach()
+    if w.dtype != torch.float64:  # the std is a difference of two sums: square in float64
+        w = w.double()
     if pad is None:
         m = mask if mask.dtype == torch.bool else mask.bool()
         pad = torch.where(m, cached_const(0.0, w.dtype, w.device), cached_const(-math.inf, w.dtype, w.device))
-    rows = {prefix + "weight_mean": w, prefix + "weight_sq_mean": w * w, **(extra_token_rows or {})}
+    # The std is sqrt(E[(w - 1)^2] - (E[w] - 1)^2): weights live near 1, and about 1 that difference
+    # of two sums loses nothing (E[w^2] - E[w]^2 loses 7 digits of a std of 3e-5, even in float64).
+    dev = torch.sub(w, mask_f if mask_f is not None else mask.to(w.dtype))  # w - 1 on valid tokens, else 0
+    rows = {
+        prefix + "weight_mean": w,
+        prefix + "weight_dev_sq_mean": dev.mul_(dev),
+        **(extra_token_rows or {}),
+    }
     out = row_sums(rows, {}, num_tokens=num_tokens, num_seqs=1)
     if w.numel() == 0:  # an empty micro-batch: max/min of nothing, without reducing an empty tensor
         ext = cached_const((-math.inf, math.inf), w.dtype, w.device)
@@ -225,26 +247,32 @@ def _to_floats(values: list[Tensor]) -> list[float]:
 def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
     """Reduced partials -> final metrics as Python floats, with one host synchronisation.
 
-    Derives, where their inputs are present: ``*chi2_seq`` from ``*chi2_seq_lse``,
-    ``*weight_std`` and ``*ess`` (effective sample size per token, ``E[w]^2 / E[w^2]`` in (0, 1])
-    from ``*weight_mean``/``*weight_sq_mean``. Infinite max/min of empty batches become nan.
+    Derives, where their inputs are present: ``*chi2_seq`` from ``*chi2_seq_lse`` (NaN for a batch
+    without a sequence), ``*weight_std``, ``*weight_sq_mean`` and ``*ess`` (effective sample size
+    per token, ``E[w]^2 / E[w^2]`` in (0, 1]) from ``*weight_mean`` / ``*weight_dev_sq_mean``
+    (``E[(w - 1)^2]``, which it drops). A max of nothing is
+    -inf and a min of nothing +inf: those become NaN, while a genuine +inf max (-inf min) stays.
     """
     keys = list(partials)
     if not keys:
         return {}
     out = dict(zip(keys, _to_floats([partials[k] for k in keys]), strict=True))
     for k in keys:
+        kind = reduce_kind(k)
         if k.endswith("chi2_seq_lse"):
             lse = out.pop(k)
-            out[k[: -len("_lse")]] = math.exp(lse) - 1.0 if lse < 700 else math.inf
-        elif math.isinf(out[k]) and reduce_kind(k) in ("max", "min"):
-            out[k] = math.nan
+            chi2 = math.exp(lse) - 1.0 if lse < 700 else math.inf  # e^700 ~ 1e304: the edge of float64
+            out[k[: -len("_lse")]] = math.nan if lse == -math.inf else chi2
+        elif (kind == "max" and out[k] == -math.inf) or (kind == "min" and out[k] == math.inf):
+            out[k] = math.nan  # the identity of the reduction: nothing was reduced
     for k in [k for k in out if k.endswith("weight_mean")]:
         base = k[: -len("weight_mean")]
-        sq = out.get(base + "weight_sq_mean")
-        if sq is None:
+        dev = out.pop(base + "weight_dev_sq_mean", None)
+        if dev is None:
             continue
         mean = out[k]
-        out[base + "weight_std"] = math.sqrt(max(sq - mean * mean, 0.0))
+        sq = dev + 2.0 * mean - 1.0  # E[w^2] = E[(w - 1)^2] + 2 E[w] - 1
+        out[base + "weight_sq_mean"] = sq
+        out[base + "weight_std"] = math.sqrt(max(dev - (mean - 1.0) ** 2, 0.0))
         out[base + "ess"] = mean * mean / sq if sq > 0 else math.nan
     return out

@@ -39,10 +39,17 @@ def cached_const(value: float | tuple, dtype: torch.dtype, device: torch.device)
 class MismatchTensors:
     """Shared intermediates of one micro-batch, computed once for metrics, weights and ACRL.
 
-    Everything is detached. Padding holds ``log pi_old = log mu = log rho = 0``, so every per-token
-    quantity below is exactly 0 there and sums need no further masking. All per-token rows live
-    in one ``[K, B, T]`` buffer written in place and reduced once: on a micro-batch the correction
-    is a few dozen small ops, and their number, not their size, is what it costs.
+    Everything is detached. A token counts (is *valid*) when its mask is set and both log-probs are
+    finite: a NaN/Inf log-prob on a masked-in token is dropped like padding, counted in the
+    ``nonfinite`` row (``mismatch/nonfinite_tokens``), and never reaches a statistic, a weight or
+    a gradient (the loss masks with :attr:`mask`; the caller's global token counts should come from
+    :func:`valid_mask` too). Off the valid tokens ``log pi_old = log mu = log rho = 0``, so every
+    per-token quantity below is exactly 0 there and sums need no further masking.
+
+    The PyTorch path computes every per-token row in float64 (differences of nearly equal numbers,
+    ``|pi_old - mu|`` and ``rho - 1 - log rho`` near rho = 1, keep their digits) in one
+    ``[K, B, T]`` buffer written in place and reduced once: on a micro-batch the correction is a few
+    dozen small ops, and their number, not their size, is what it costs.
 
     With ``fused=True`` the sums and extrema come from one C pass instead
     (:mod:`~megatron_acrl.correction.fused_cpu`), and the per-token rows are only built, by the
@@ -56,15 +63,18 @@ class MismatchTensors:
             PyTorch path.
 
     Attributes:
-        mask: ``[B, T]`` bool; ``mask_f``: the same as a float row; ``pad``: 0 on valid tokens,
-            -inf on padding. dtype: the promoted dtype of the two log-prob tensors.
-        log_ratio: ``[B, T]`` ``log rho = log pi_old - log mu``.
+        mask_in: ``[B, T]`` bool, the caller's mask. mask: ``[B, T]`` bool, the valid tokens;
+            ``mask_f``: the same as a float64 row; ``pad``: 0 on valid tokens, -inf elsewhere (built on
+            demand on the fused path). dtype: the promoted dtype of the two log-prob tensors (the
+            weights' dtype).
+        log_ratio: ``[B, T]`` float64 ``log rho = log pi_old - log mu``.
         clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
         rho: ``[B, T]`` ``exp(clamped)``.
-        per_token: ``[K, B, T]`` rows named by :attr:`ROWS`.
-        seq_sums: ``[K, B]`` float64 row sums over T (PyTorch path: pairwise-summed in the input
-            dtype, except ``log_ratio``'s; fused path: accumulated in float64).
-        extremes: ``[3]`` max over valid tokens of -log rho, log rho and |pi_old - mu| (-inf if none).
+        per_token: ``[K, B, T]`` float64 rows named by :attr:`ROWS`.
+        seq_sums: ``[K, B]`` float64 row sums over T.
+        seq_max: PyTorch path, ``[3, B]``: per sequence the max over valid tokens of -log rho, log
+            rho and |pi_old - mu| (-inf for a sequence without one).
+        extremes: ``[3]`` the same over the whole micro-batch.
         lens: ``[B]`` valid tokens per sequence (float64); ``lens_c``: the same, at least 1.
         valid_f: ``[B]`` float64, 1 for sequences with a valid token, else 0.
         discrepancy: fused path only, ``[3, 2]`` float64: per distance (``prob_abs``, ``logprob_abs``,
@@ -73,12 +83,12 @@ class MismatchTensors:
 
     ROWS = (
         "old_logprobs", "rollout_logprobs", "neg_log_ratio", "log_ratio", "prob_abs", "logprob_abs", "k3",
-        "rho_sq_m1", "mask",
+        "rho_sq_m1", "mask", "nonfinite",
     )  # fmt: skip
 
     def __init__(self, old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, fused: bool):
         m = mask if mask.dtype == torch.bool else mask.bool()
-        self.mask, self.old_logprobs, self.rollout_logprobs = (
+        self.mask_in, self.old_logprobs, self.rollout_logprobs = (
             m,
             old_logprobs.detach(),
             rollout_logprobs.detach(),
@@ -93,7 +103,7 @@ class MismatchTensors:
         self.fused = fused
         self.discrepancy: Tensor | None = None  # fused: [3, 2] (sum of Y_i, count) per distance
         if fused:
-            self.seq_sums, self.extremes, self.discrepancy = fused_cpu.mismatch_pass(
+            self.seq_sums, self.extremes, self.discrepancy, self.mask = fused_cpu.mismatch_pass(
                 self.old_logprobs, self.rollout_logprobs, m
             )
         else:
@@ -101,7 +111,7 @@ class MismatchTensors:
 
     @functools.cached_property
     def lens(self) -> Tensor:
-        return self.seq_sums[-1]
+        return self.seq_sums[8]
 
     @functools.cached_property
     def lens_c(self) -> Tensor:
@@ -112,37 +122,38 @@ class MismatchTensors:
         return self.lens.clamp_max(1)
 
     def _token_rows(self) -> None:
-        """The PyTorch path: every per-token row, and (unless fused) the sums and extrema from them."""
-        m, dtype, dev = self.mask, self.dtype, self.old_logprobs.device
-        zero = cached_const(0.0, dtype, dev)
-        rows = torch.empty((len(self.ROWS), *m.shape), dtype=dtype, device=dev)
-        lp_old, lp_roll, nd, d, dp, ad, k3, chi, mf = rows.unbind(0)
-        torch.where(m, self.old_logprobs, zero, out=lp_old)
-        torch.where(m, self.rollout_logprobs, zero, out=lp_roll)
-        torch.sub(lp_old, lp_roll, out=d)
-        torch.sub(lp_roll, lp_old, out=nd)  # k1 per token; its max is -min(log rho)
-        probs = torch.exp(rows[:2])
-        torch.sub(probs[0], probs[1], out=dp).abs_()
+        """The PyTorch path: every per-token row in float64, and (unless fused) the sums and maxima."""
+        m_in, dev = self.mask_in, self.old_logprobs.device
+        zero = cached_const(0.0, torch.float64, dev)
+        rows = torch.empty((len(self.ROWS), *m_in.shape), dtype=torch.float64, device=dev)
+        lp_old, lp_roll, nd, d, dp, ad, k3, chi, mf, bad = rows.unbind(0)
+        lp_old.copy_(self.old_logprobs)
+        lp_roll.copy_(self.rollout_logprobs)
+        torch.sub(lp_old, lp_roll, out=d)  # exact for float32 inputs; not finite iff an input is not
+        valid = torch.isfinite(d).logical_and_(m_in)
+        torch.where(valid, rows[:4], zero, out=rows[:4])  # row 2 is written next
+        torch.neg(d, out=nd)  # k1 per token; its max is -min(log rho)
+        torch.sub(*torch.exp(rows[:2]).unbind(0), out=dp).abs_()
         torch.abs(d, out=ad)
         dc = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        em1 = torch.expm1(dc)  # rho - 1 without cancellation near rho = 1
+        em1 = torch.expm1(dc)  # rho - 1
         torch.sub(em1, dc, out=k3)
         torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
-        mf.copy_(m)
-        # 0 on valid tokens, -inf on padding: x + pad is x masked for a max, x - pad for a min.
-        self._pad = torch.where(m, zero, cached_const(-math.inf, dtype, dev))
+        mf.copy_(valid)
+        torch.ne(m_in, valid, out=bad)  # masked-in tokens with a non-finite log-prob
+        # 0 on valid tokens, -inf elsewhere: x + pad is x masked for a max, x - pad for a min.
+        self._pad = torch.where(valid, zero, cached_const(-math.inf, torch.float64, dev))
+        if not self.fused:  # the fused pass wrote its own (equal) mask
+            self.mask = valid
         self._mask_f, self._log_ratio, self._clamped, self._em1 = mf, d, dc, em1
         self._per_token = rows
         if self.fused:
             return
-        self.seq_sums = rows.sum(-1).to(torch.float64)
-        # chi2_seq is exp(2 * sum_t log rho): it amplifies any rounding of that sum, so it alone is
-        # accumulated in float64 (a float64 cast of every row would cost more than all the rest).
-        self.seq_sums[3] = d.sum(-1, dtype=torch.float64)
-        if m.numel() == 0:
-            self.extremes = cached_const((-math.inf,) * 3, dtype, dev)
+        self.seq_sums = rows.sum(-1)
+        if m_in.shape[-1] == 0:  # no token at all: a max of nothing, without reducing an empty dim
+            self.seq_max = torch.full((3, m_in.shape[0]), -math.inf, dtype=torch.float64, device=dev)
         else:  # max(-log rho) = -min(log rho), max log rho, max |dp|: one masked reduction
-            self.extremes = (rows[2:5] + self._pad).amax((1, 2))
+            self.seq_max = (rows[2:5] + self._pad).amax(-1)
 
     def _row_attr(self, name: str) -> Tensor:
         if not hasattr(self, "_per_token"):
@@ -154,6 +165,12 @@ class MismatchTensors:
     clamped = property(lambda self: self._row_attr("_clamped"))
     mask_f = property(lambda self: self._row_attr("_mask_f"))
     pad = property(lambda self: self._row_attr("_pad"))
+
+    @functools.cached_property
+    def extremes(self) -> Tensor:
+        if self.seq_max.shape[-1] == 0:
+            return cached_const((-math.inf,) * 3, torch.float64, self.seq_max.device)
+        return self.seq_max.amax(-1)
 
     @functools.cached_property
     def valid(self) -> Tensor:
@@ -170,3 +187,14 @@ class MismatchTensors:
     def seq_mean(self, name: str) -> Tensor:
         """``[B]`` float64 mean over each sequence's valid tokens (0 for empty sequences)."""
         return self.seq_sums[self.row(name)] / self.lens_c
+
+
+def valid_mask(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``[B, T]`` bool: the tokens the correction and the loss count (mask set, both log-probs finite).
+
+    What :class:`MismatchTensors` uses on each micro-batch; a trainer computes its global
+    denominators (valid tokens and sequences of the optimizer step) from it once per batch, so a
+    non-finite log-prob drops its token from the denominators too, as it drops from the sums.
+    """
+    m = mask if mask.dtype == torch.bool else mask != 0
+    return m & torch.isfinite(old_logprobs) & torch.isfinite(rollout_logprobs)

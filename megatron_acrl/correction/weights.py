@@ -1,9 +1,11 @@
 """Per-token correction weights for the training-inference mismatch: one small function per method.
 
 Every method reads one micro-batch's :class:`~megatron_acrl.correction.mismatch.MismatchTensors`
-(``log rho = log pi_old - log mu``, ``[B, T]``, 0 on padding, and the boolean response mask) and
-returns detached weights ``[B, T]`` that multiply the per-token policy-gradient loss. A weight of 0
-drops the token (or the whole sequence) from the gradient; denominators are not changed by it.
+(``log rho = log pi_old - log mu``, ``[B, T]`` float64, 0 off the valid tokens, and their boolean
+mask) and returns detached weights ``[B, T]`` that multiply the per-token policy-gradient loss. A
+weight of 0 drops the token (or the whole sequence) from the gradient; the denominators are not
+changed by it (verl's rejection instead removes the token from its response mask, and so from the
+denominators; see docs/correction.md).
 
 :data:`METHODS` maps the field's vocabulary (``correction.method``) to those functions, with
 ``rho = pi_old / mu``:
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -78,7 +80,7 @@ MethodFn = Callable[[MismatchTensors, CorrectionConfig, Tensor | None, AcrlSigna
 
 
 def _zero(sh: MismatchTensors) -> Tensor:
-    return cached_const(0.0, sh.dtype, sh.old_logprobs.device)
+    return cached_const(0.0, torch.float64, sh.old_logprobs.device)
 
 
 def _log_band(values: Tensor, low: float, high: float) -> Tensor:
@@ -97,8 +99,8 @@ def _seq_log_ratio(sh: MismatchTensors) -> Tensor:
 
 
 def _per_sequence(sh: MismatchTensors, w_seq: Tensor) -> Tensor:
-    """``[B]`` sequence weights -> ``[B, T]`` on the valid tokens."""
-    return torch.where(sh.mask, w_seq.to(sh.dtype).unsqueeze(-1), _zero(sh))
+    """``[B]`` float64 sequence weights -> ``[B, T]`` on the valid tokens."""
+    return torch.where(sh.mask, w_seq.unsqueeze(-1), _zero(sh))
 
 
 def seq_mis_keep(sh: MismatchTensors, cfg: CorrectionConfig) -> Tensor:
@@ -121,7 +123,7 @@ SEQUENCE_MASKS: dict[str, Callable[[MismatchTensors, CorrectionConfig], Tensor]]
 def _none(
     sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
 ) -> MethodWeights:
-    return MethodWeights(sh.mask.to(sh.dtype))
+    return MethodWeights(sh.mask.to(torch.float64))
 
 
 def _tis(
@@ -157,7 +159,7 @@ def _seq_tis(
     return MethodWeights(
         _per_sequence(sh, w_seq),
         seq_rows={
-            "correction/seq_clip_frac_high": s > hi,
+            "correction/seq_clip_frac_high": (s > hi) & sh.valid,  # an empty row has s = 0 > log hi < 0
             "correction/seq_clip_frac_low": (s < lo) & sh.valid,
         },
     )
@@ -173,7 +175,7 @@ def _seq_mis(
 def _geo_mis(
     sh: MismatchTensors, cfg: CorrectionConfig, advantages: Tensor | None, signal: AcrlSignal | None
 ) -> MethodWeights:
-    return MethodWeights(sh.mask.to(sh.dtype), seq_keep=geo_mis_keep(sh, cfg))
+    return MethodWeights(sh.mask.to(torch.float64), seq_keep=geo_mis_keep(sh, cfg))
 
 
 def _acrl_inputs(advantages: Tensor | None, signal: AcrlSignal | None) -> tuple[Tensor, AcrlSignal]:
@@ -187,16 +189,19 @@ def _acrl(
 ) -> MethodWeights:
     advantages, signal = _acrl_inputs(advantages, signal)
     coef = acrl_coefficient(cfg, signal, sh)
-    if isinstance(coef, Tensor):  # per sequence: [B] float64 -> [B, 1] in the weights' dtype
-        coef = coef.to(sh.dtype).unsqueeze(-1)
+    if isinstance(coef, Tensor):  # per sequence: [B] float64 -> [B, 1]
+        coef = coef.unsqueeze(-1)
     zero, m = _zero(sh), sh.mask
-    # alpha is 0 on padding, so the weight there is exp(0) = 1 until the final masking.
+    # alpha is 0 off the valid tokens, so the weight there is exp(0) = 1 until the final masking.
     alpha = torch.where(m, acrl_alpha(advantages, coef, cfg.alpha_max), zero)
-    weights = (alpha * sh.clamped).clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
+    exponent = alpha * sh.clamped
+    saturated = exponent.abs() >= LOG_RATIO_BOUND  # the weight is cut at e^+-BOUND
+    weights = exponent.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
     if cfg.weight_low is not None or cfg.weight_high is not None:
         weights = weights.clamp_(cfg.weight_low, cfg.weight_high)
     weights = torch.where(m, weights, zero, out=weights)
-    return MethodWeights(weights, token_rows={"acrl/alpha_mean": alpha, "acrl/alpha_abs_mean": alpha.abs()})
+    rows = {"acrl/alpha_mean": alpha, "acrl/alpha_abs_mean": alpha.abs(), "acrl/saturated_frac": saturated}
+    return MethodWeights(weights, token_rows=rows)
 
 
 METHODS: dict[str, MethodFn] = {
@@ -238,9 +243,17 @@ def _compose(
     if seq_keep is not None:
         weights = weights * seq_keep.unsqueeze(-1)
     if cfg.batch_normalize:
-        mean = weight_mean if weight_mean is not None else weights.sum() / sh.mask.sum().clamp_min(1)
-        weights = weights / torch.as_tensor(mean, dtype=weights.dtype, device=weights.device).clamp_min(1e-8)
+        weights = weights / _normalizer(weights.sum(), sh, weight_mean)
     return weights.detach()
+
+
+def _normalizer(local_sum: Tensor, sh: MismatchTensors, weight_mean: Tensor | float | None) -> Tensor:
+    """The mean ``batch_normalize`` divides by: the batch's (``weight_mean``), or this call's own."""
+    if weight_mean is None:
+        mean = local_sum / sh.lens.sum().clamp_min(1)
+    else:
+        mean = torch.as_tensor(weight_mean, dtype=torch.float64, device=local_sum.device)
+    return mean.clamp_min(1e-8)
 
 
 def compute_correction(
@@ -262,10 +275,12 @@ def compute_correction(
         num_tokens / num_seqs: global denominators of the metrics.
         advantages: ``[B, T]`` advantages (needed by ``acrl`` for sign(A)).
         acrl: the controller's signal for this batch (needed by ``acrl``).
-        weight_mean: global mean weight over valid tokens for ``batch_normalize``; None uses this
-            call's own tokens (exact only when this call sees the whole batch).
+        weight_mean: the batch's mean weight over its valid tokens (:func:`batch_weight_mean`) for
+            ``batch_normalize``, the same for every micro-batch and rank; None uses this call's own
+            tokens (exact only when this call sees the whole batch).
     Returns:
-        :class:`Correction` with detached ``weights`` ``[B, T]``.
+        :class:`Correction` with detached ``weights`` ``[B, T]`` in the log-probs' dtype (computed,
+        and their metrics, in float64 on the PyTorch path).
     """
     method = METHODS.get(cfg.method)
     if method is None:
@@ -275,10 +290,36 @@ def compute_correction(
     out = method(sh, cfg, advantages, acrl)
     weights = _compose(sh, cfg, out, weight_mean)
     metrics = weight_metrics(
-        weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad
+        weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad, mask_f=sh.mask_f
     )
     metrics.update(row_sums({}, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
-    return Correction(weights=weights, metrics=metrics)
+    return Correction(weights=weights.to(sh.dtype), metrics=metrics)
+
+
+def batch_weight_mean(
+    cfg: CorrectionConfig,
+    sh: MismatchTensors,
+    *,
+    advantages: Tensor | None = None,
+    acrl: AcrlSignal | None = None,
+) -> Tensor:
+    """The mean weight over the valid tokens of a whole batch, before ``batch_normalize``.
+
+    Computed once per batch, before its first micro-batch (like the controller's statistics), and
+    passed as ``weight_mean`` to every micro-batch on every data-parallel rank, so the weights are
+    normalised by one global mean, not by each micro-batch's own.
+
+    Args:
+        sh: the whole batch's shared intermediates (``[N, L]``). advantages / acrl: as for
+            :func:`compute_correction`.
+    Returns:
+        ``[]`` float64 (0 for a batch without a valid token).
+    """
+    plain = replace(cfg, batch_normalize=False)
+    corr = compute_correction(
+        plain, sh, num_tokens=sh.lens.sum(), num_seqs=1, advantages=advantages, acrl=acrl
+    )
+    return corr.metrics["correction/weight_mean"]
 
 
 def _acrl_fused(
@@ -293,13 +334,16 @@ def _acrl_fused(
     the ``acrl`` entry of :data:`METHODS`, which stays the reference (``tests/test_fused_cpu.py``)."""
     advantages, acrl = _acrl_inputs(advantages, acrl)
     weights, means_t, ext = fused_cpu.acrl_weights(
-        sh.old_logprobs, sh.rollout_logprobs, sh.mask, advantages, acrl_coefficient(cfg, acrl, sh),
+        sh.old_logprobs, sh.rollout_logprobs, sh.mask_in, advantages, acrl_coefficient(cfg, acrl, sh),
         num_tokens=num_tokens, alpha_max=cfg.alpha_max, weight_low=cfg.weight_low,
         weight_high=cfg.weight_high,
     )  # fmt: skip
     means = means_t.unbind(0)
     w_max, w_min = ext.unbind(0)
-    names = ("correction/weight_mean", "correction/weight_sq_mean", "acrl/alpha_mean", "acrl/alpha_abs_mean")
+    names = (
+        "correction/weight_mean", "correction/weight_dev_sq_mean", "acrl/alpha_mean", "acrl/alpha_abs_mean",
+        "acrl/saturated_frac",
+    )  # fmt: skip
     metrics = dict(zip(names, means, strict=True))
     metrics["correction/weight_max"], metrics["correction/weight_min"] = w_max, w_min
     return Correction(weights=weights, metrics=metrics)

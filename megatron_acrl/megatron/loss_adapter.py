@@ -171,15 +171,19 @@ class LossAdapter:
         num_seqs: torch.Tensor,
         num_microbatches: int,
         dp_size: int,
+        weight_mean: torch.Tensor | None = None,
     ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """The ``loss_func`` Megatron's schedule calls on the last stage for ``micro``.
 
         Args:
             micro: this micro-batch (see :data:`MicroBatch`).
             acrl: controller signal of the current rollout batch (None unless method is acrl).
-            num_tokens / num_seqs: global denominators of the whole optimizer step.
+            num_tokens / num_seqs: global denominators of the whole optimizer step (its valid tokens:
+                :func:`~megatron_acrl.correction.valid_mask`).
             num_microbatches: micro-batches per DP rank in this step (Megatron divides by it).
             dp_size: data-parallel size (DDP averages over it).
+            weight_mean: ``correction.batch_normalize``: the step's mean weight
+                (:func:`~megatron_acrl.correction.batch_weight_mean`), the same on every micro-batch.
         """
         mask = micro["loss_mask"].float()
         # Exactly cancels the schedule's "/ clamp(num_tokens, 1) / num_microbatches" and DDP's 1/dp.
@@ -202,6 +206,7 @@ class LossAdapter:
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
                 fused=self.fused,
+                weight_mean=weight_mean,
                 entropy=ent,
                 ref_logprobs=micro["ref_logprobs"].float() if "ref_logprobs" in micro else None,
                 **({"norm_len": self.norm_len} if self.norm_len is not None else {}),

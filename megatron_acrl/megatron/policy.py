@@ -22,7 +22,13 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_acrl.config import Config
-from megatron_acrl.correction import AcrlController, MismatchTensors, acrl_discrepancy_stats
+from megatron_acrl.correction import (
+    AcrlController,
+    MismatchTensors,
+    acrl_discrepancy_stats,
+    batch_weight_mean,
+    valid_mask,
+)
 from megatron_acrl.megatron import checkpoint, convert, hf_io
 from megatron_acrl.megatron.base import ModelTrainer
 from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn
@@ -282,7 +288,8 @@ class Policy(ModelTrainer):
         signal = None
         if self.controller is not None:
             signal = self.controller.signal()
-        mask = batch["loss_mask"].float()
+        # the tokens the loss counts: a NaN/Inf log pi_old or log mu leaves the denominators too
+        mask = valid_mask(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"]).float()
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum().float()
         source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
@@ -296,6 +303,7 @@ class Policy(ModelTrainer):
             num_seqs=num_seqs,
             num_microbatches=len(micro),
             dp_size=self.dp_size,
+            weight_mean=self._batch_weight_mean(batch, signal),
         )
         if self.routing is not None:
             self.routing.begin(replay=source is not None, observe=False)
@@ -306,8 +314,25 @@ class Policy(ModelTrainer):
                 self.routing.end()
         if self.controller is not None:
             metrics.update(self.controller.metrics())
+            if dist.get_rank() == 0:
+                self.controller.check_weights(metrics)
         metrics.update(plan.metrics())  # perf/padding_fraction, perf/microbatches, perf/dp_token_imbalance
         return metrics
+
+    def _batch_weight_mean(self, batch: Mapping[str, torch.Tensor], signal: Any) -> torch.Tensor | None:
+        """``correction.batch_normalize``: the minibatch's mean weight, once, before its first
+        micro-batch; every rank holds the whole minibatch, so every rank computes the same value."""
+        if not (self.cfg.correction.batch_normalize and self.is_last_stage):
+            return None
+        shared = MismatchTensors(
+            batch["old_logprobs"].float(),
+            batch["rollout_logprobs"].float(),
+            batch["loss_mask"],
+            fused=self.adapter.fused,
+        )
+        return batch_weight_mean(
+            self.cfg.correction, shared, advantages=batch["advantages"].float(), acrl=signal
+        )
 
     # ----------------------------------------------------------------------------------------
     # Weights: HF export and load (the stream and the reader live in hf_io)

@@ -1,0 +1,102 @@
+"""Mutation testing of the pure math: ``make mutate`` (``python scripts/mutate.py [--max-children N]``).
+
+Runs ``mutmut`` (configured in ``pyproject.toml``, ``[tool.mutmut]``: ``megatron_acrl/correction/``,
+``losses.py`` and ``advantages.py``, against the fast pure tests) and scores the result:
+
+    mutation score = killed / (mutants - equivalent)
+
+A mutant is killed when a test fails on it (or it times out). Equivalent mutants -- a change no
+input can observe, e.g. a clamp bound that cannot be reached -- are listed, each with its reason,
+in the table of ``docs/correction.md`` under "Equivalent mutants"; every other survivor is printed
+here to be killed or explained. The last line is ``mutation score: X``; the exit status is 1 when
+X is below the goal (0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "correction.md"
+GOAL = 0.9
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+
+
+def equivalent_mutants(doc: Path = DOCS) -> dict[str, str]:
+    """``{mutant name: reason}`` from the "Equivalent mutants" table of ``doc``."""
+    text = doc.read_text()
+    start = text.find("Equivalent mutants")
+    if start < 0:
+        return {}
+    out = {}
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        m = re.match(r"\|\s*`([^`]+)`\s*\|\s*(.*?)\s*\|\s*$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def mutant_statuses(mutmut: str) -> dict[str, str]:
+    """``{mutant name: status}`` of the last run, from ``mutmut results --all true``."""
+    res = subprocess.run(
+        [mutmut, "results", "--all", "true"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    statuses = {}
+    for line in res.stdout.splitlines():
+        m = re.match(r"\s+(\S+): (.+)$", line)
+        if m:
+            statuses[m.group(1)] = m.group(2).strip()
+    return statuses
+
+
+def score(statuses: dict[str, str], equivalent: dict[str, str]) -> tuple[float, list[str], list[str]]:
+    """``(score, survivors not listed as equivalent, listed names mutmut did not make)``."""
+    counted = {k: v for k, v in statuses.items() if k not in equivalent and v != "skipped"}
+    killed = sum(v in KILLED for v in counted.values())
+    survivors = sorted(k for k, v in counted.items() if v not in KILLED)
+    stale = sorted(set(equivalent) - set(statuses))
+    return (killed / len(counted) if counted else 0.0), survivors, stale
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="mutants tested at once")
+    ap.add_argument("--keep", action="store_true", help="reuse mutants/ of an earlier run (mutmut's cache)")
+    ap.add_argument("--score-only", action="store_true", help="score the results in mutants/ without running")
+    args = ap.parse_args()
+    mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
+    if not args.score_only:
+        if not args.keep:
+            shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+        # one thread per test process: mutmut runs --max-children of them at once
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [mutmut, "run", "--max-children", str(args.max_children)]
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    every = mutant_statuses(mutmut)
+    statuses = {k: v for k, v in every.items() if v != "not checked"}  # all of them after a full run
+    equivalent = equivalent_mutants()
+    value, survivors, _ = score(statuses, equivalent)
+    stale = sorted(set(equivalent) - set(every))
+    by_status: dict[str, int] = {}
+    for v in statuses.values():
+        by_status[v] = by_status.get(v, 0) + 1
+    print(f"checked: {len(statuses)}  " + "  ".join(f"{k}: {n}" for k, n in sorted(by_status.items())))
+    print(f"equivalent (docs/correction.md): {len(equivalent)}")
+    for name in stale:
+        print(f"listed as equivalent but not a mutant of this code (renumbered?): {name}")
+    for name in survivors:
+        print(f"survived: {name} ({statuses[name]}); `mutmut show {name}` shows it")
+    print(f"mutation score: {value:.4f}")
+    return 0 if value >= GOAL else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
