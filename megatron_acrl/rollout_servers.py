@@ -46,6 +46,13 @@ def fp8_scheme(cfg: Config) -> Fp8Scheme | None:
     )
 
 
+def lm_head_names(served: Iterable[str]) -> tuple[str, ...]:
+    """The output projection's HF name among the served tensors: ``lm_head.weight``, or with tied
+    embeddings (no such tensor) the embedding table it shares."""
+    names = set(served)
+    return ("lm_head.weight",) if "lm_head.weight" in names else ("model.embed_tokens.weight",)
+
+
 def routed_experts_topk(cfg: Config) -> int | None:
     """The top-k to request routed experts with (None: not requested). ``rollout.return_routed_experts``
     None means: when R3 replays them (``model.moe_routing_replay=rollout``); set it true to also get
@@ -259,6 +266,23 @@ class RolloutServers:
 
         return asyncio.run(run())
 
+    def score(self, sequences: Sequence[Sequence[int]], target_lens: Sequence[int]) -> list[list[float]]:
+        """The served log-probs of the last ``target_lens[i]`` tokens of each sequence, teacher-forced
+        at temperature 1 (:meth:`SGLangClient.score`), from the first server (all hold the same
+        weights); raises :class:`ServerGoneError` if it died."""
+
+        async def run() -> list[list[float]]:
+            r = self.cfg.rollout
+            async with SGLangClient(
+                self.urls[0],
+                api_key=self.api_key,
+                timeout_s=r.request_timeout_s,
+                max_concurrency=r.max_concurrency,
+            ) as client:
+                return await client.score(sequences, target_lens)
+
+        return asyncio.run(run())
+
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(
@@ -288,6 +312,7 @@ class RolloutServers:
                 r.fp8_rounding,
                 r.fp8_mantissa_bits,
                 quantize_router=r.fp8_quantize_router,
+                also=lm_head_names(served) if r.fp8_quantize_lm_head else (),
             )
         report = self.synchronizer.sync(stream, version, quantize=quantize)
         return {

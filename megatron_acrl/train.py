@@ -26,7 +26,7 @@ from megatron_acrl.batch import RolloutBatch, minibatches
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
-from megatron_acrl.evaluate import evaluate
+from megatron_acrl.evaluate import evaluate, evaluate_exact
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.resume import (
     DriverState,
@@ -46,6 +46,8 @@ from sglang_bridge.server import ServersNotReady
 def train(ctx: RunContext, state: DriverState, served: ServedWeights, stop: StopSignals) -> DriverState:
     """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
+    if state.step == 0 and (m0 := evaluate_exact(ctx, 0)) and log is not None:
+        log.log(0, m0)  # the exact metric of the weights that sample step 1
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
         batch, m = collect_rollouts(ctx, state, step, served.restore)  # generate -> reward, broadcast
@@ -85,6 +87,7 @@ def train(ctx: RunContext, state: DriverState, served: ServedWeights, stop: Stop
         )
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
             m.update(evaluate(ctx, state.step, format_version(served.version), served.restore))
+        m.update(evaluate_exact(ctx, state.step))  # training.exact_eval_interval
         if log is not None:
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))
         stopping = any_rank(stop.requested)  # a stop signal on any rank: every rank stops here
