@@ -23,6 +23,7 @@ from typing import Any
 
 from megatron_acrl.logging import read_jsonl_metrics
 from megatron_acrl.study.grid import Grid
+from megatron_acrl.study.stats import smooth
 
 KEEP = (
     "reward/mean",
@@ -31,6 +32,9 @@ KEEP = (
     "mismatch/k3_kl",
     "mismatch/chi2_token",
     "mismatch/chi2_seq",
+    "mismatch/prob_abs_diff",
+    "mismatch/log_ratio_min",
+    "mismatch/log_ratio_max",
     "grad_norm",
     "loss/entropy",
     "acrl/y_over_x",
@@ -41,7 +45,7 @@ KEEP = (
 )
 """The metrics a run's archived rows keep (what the exact report reads)."""
 
-MARKER_KEYS = ("wall_s", "trainer_cpu_s", "server_cpu_s", "rc", "log_tail")
+MARKER_KEYS = ("wall_s", "trainer_cpu_s", "server_cpu_s", "rc", "log_tail", "stopped_at_step", "note")
 
 
 @dataclass
@@ -172,6 +176,11 @@ class ExactArm:
     wall_per_step: list[float]
     """Median ``time/step`` (wall seconds, under whatever load there was)."""
     rows: list[list[dict[str, Any]]] = field(default_factory=list, repr=False)
+    k3_peak: list[float] = field(default_factory=list)
+    """Largest 5-step mean of k3 (a mismatch that grew and then fell with a collapse shows here)."""
+    stopped_at: list[int] = field(default_factory=list)
+    """The step a run that was cut short (``stopped_at_step`` in its ``done`` marker) stopped at; 0 for a
+    run that ran to its end."""
 
 
 def summarize_arm(arm: str, runs: list[RunRecord]) -> ExactArm:
@@ -199,6 +208,8 @@ def summarize_arm(arm: str, runs: list[RunRecord]) -> ExactArm:
         vals["nonfinite"].append(nonfinite_steps(r.rows))
         vals["cpu_per_step"].append(cpu / steps if steps and not r.failed else math.nan)
         vals["wall_per_step"].append(statistics.median(times) if times else math.nan)
+        vals["k3_peak"].append(max(smooth(k3)) if k3 else math.nan)
+        vals["stopped_at"].append(int(r.marker.get("stopped_at_step") or 0))
     return ExactArm(arm=arm, rows=[r.rows for r in runs], **vals)
 
 

@@ -12,9 +12,11 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_acrl.config import Config
 from megatron_acrl.study import verdicts
 from megatron_acrl.study.exact import ExactArm, series
 from megatron_acrl.study.grid import ROLES, Grid
+from megatron_acrl.study.replay import replay
 from megatron_acrl.study.stats import mean_std, smooth
 
 PANELS = (
@@ -221,6 +223,70 @@ def cost(arms: list[ExactArm]) -> str:
     return "Cost: " + "; ".join(parts) + "."
 
 
+CORES = 2
+"""The cores the grid estimate spreads CPU seconds over: this machine's, and ``make study``'s --jobs."""
+
+
+def _cut_short(arms: list[ExactArm]) -> list[str]:
+    cut = []
+    for a in arms:  # stopped_at is empty for an ExactArm built by hand
+        cut += [f"`{a.arm}` seed {s} at step {n}" for s, n in zip(a.seeds, a.stopped_at, strict=False) if n]
+    if not cut:
+        return []
+    return [f"Cut short (kept as run, summarised over the evals they logged): {', '.join(cut)}.", ""]
+
+
+def _stressed(cfg: Config) -> bool:
+    return cfg.rollout.quantization != "none" or cfg.rollout.weight_lag_steps > 0
+
+
+def estimate(grid: Grid, pilot: Grid, arms: list[ExactArm]) -> str:
+    """The grid's wall time on a quiet machine from the pilot's CPU seconds per RL step: every grid run
+    costs its steps x the median CPU per step of the pilot's runs of its kind (BF16 sync, or stressed:
+    FP8 and / or lag), spread over :data:`CORES` busy cores. Start-up CPU is in the pilot's per-step
+    figure and so scales with the steps (conservative for longer runs); the servers' start-up is not."""
+    kinds: dict[bool, list[float]] = {True: [], False: []}
+    for a in arms:
+        kinds[_stressed(pilot.configs[a.arm])] += [x for x in a.cpu_per_step if math.isfinite(x)]
+    per = {k: statistics.median(v) for k, v in kinds.items() if v}
+    if not per:
+        return ""
+    total, missing = 0.0, []
+    for arm, cfg in grid.configs.items():
+        kind = _stressed(cfg)
+        if kind not in per:
+            missing.append(arm)
+            kind = not kind  # the other kind's figure: better than none, and said so
+        total += len(grid.seeds) * cfg.training.num_steps * per[kind]
+    runs = len(grid.seeds) * len(grid.arms)
+    note = f" (no pilot CPU figure for {', '.join(missing)}: the other kind's used)" if missing else ""
+    shown = ", ".join(f"{'stressed' if k else 'BF16 sync'} {v:.2f} s" for k, v in sorted(per.items()))
+    return (
+        f"Grid estimate: {runs} runs, {total / 3600:.2f} CPU hours at the pilot's median CPU per RL step "
+        f"({shown}; trainer and servers, load-independent), over {CORES} cores: **about "
+        f"{total / CORES / 60:.0f} min** on a quiet machine, plus the servers' start-up{note}."
+    )
+
+
+def _replays(grid: Grid, pilot: Grid, arms: list[ExactArm]) -> list[str]:
+    """The grid's ACRL settings replayed (open loop) on the pilot's uncorrected runs' mismatch."""
+    settings = [(a, grid.configs[a].correction) for r in ("acrl", "acrl_ext") if (a := grid.roles.get(r))]
+    by = {a.arm: a for a in arms}
+    targets = [by[arm] for r in ("none", "bf16_lag") if (arm := pilot.roles.get(r)) in by]
+    if not settings or not targets:
+        return []
+    lines = [
+        "ACRL's controller replayed open loop on the pilot's uncorrected runs (`megatron_acrl/study/"
+        "replay.py`: the logged mismatch as Y, the bound on the largest weight from the logged log-ratio "
+        "range; a controller that trained would change what it then saw):",
+        "",
+    ]
+    for t in targets:
+        for seed, rows in zip(t.seeds, t.rows, strict=True):
+            lines += [f"- `{a}` on `{t.arm}` seed {seed}: {replay(rows, c).summary()}" for a, c in settings]
+    return [*lines, ""]
+
+
 def pilot_section(pilot: Grid, arms: list[ExactArm], grid: Grid, report_dir: Path) -> list[str]:
     """The pilot's numbers, its go / no-go, and the choices the grid was run with."""
     lines = [f"### The pilot: {pilot.title}", ""]
@@ -237,8 +303,12 @@ def pilot_section(pilot: Grid, arms: list[ExactArm], grid: Grid, report_dir: Pat
         p = verdicts.paired(by["bf16_lag"], by["bf16"], "j_trainer")
         if p is not None:
             lines += [f"The lag alone (BF16 + lag vs BF16 sync, trainer's exact J): {p.text()}.", ""]
+    lines += _cut_short(arms)
     if c := cost(arms):
         lines += [c, ""]
+    if e := estimate(grid, pilot, arms):
+        lines += [e, ""]
+    lines += _replays(grid, pilot, arms)
     if grid.choices:
         lines += [
             "**Choices made from the pilot** (written into the grid file before the grid ran):",

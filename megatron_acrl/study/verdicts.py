@@ -161,7 +161,10 @@ def k3_rises(arm: ExactArm) -> tuple[bool, str]:
     pairs = [(a, b) for a, b in zip(arm.k3_start, arm.k3_end, strict=True) if math.isfinite(a + b)]
     ok = bool(pairs) and all(b > a for a, b in pairs)
     shown = ", ".join(f"{a:.3g} -> {b:.3g}" for a, b in pairs)
-    return ok, f"k3 (first -> last 20% of steps) {shown}: {'rising' if ok else 'not rising'} on every seed"
+    peaks = [p for p in arm.k3_peak if math.isfinite(p)]
+    peak = f" (largest 5-step mean {', '.join(f'{p:.3g}' for p in peaks)})" if peaks else ""
+    word = "rising" if ok else "not rising"
+    return ok, f"k3 (first -> last 20% of steps) {shown}{peak}: {word} on every seed"
 
 
 def pilot_check(bf16: ExactArm, none: ExactArm) -> tuple[bool, str]:
