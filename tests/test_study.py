@@ -44,6 +44,43 @@ def test_full_grids_have_the_issue_arms():
         assert all(c.rollout.stress_quantization for c in stressed) == grid.stress
 
 
+def test_stress_lag_grid_is_the_issue_grid_and_its_pilot_the_pilot():
+    """The shipped exact grid (issue #23): its five roles, 6 seeds x 150 steps, the pilot on other seeds
+    with the pilot's four roles, and the same settings but the steps (so the pilot's go / no-go speaks
+    for the grid); the paper's ACRL arm is the paper's law, the extension arm something else."""
+    grid = load_grid(ROOT / "configs" / "study" / "stress_lag.yaml")
+    pilot = load_grid(ROOT / grid.pilot)
+    assert grid.kind == pilot.kind == "exact"
+    assert set(grid.roles) == {"bf16", "none", "tis", "acrl", "acrl_ext"}
+    assert set(pilot.roles) == {"bf16", "bf16_lag", "none", "tis"}
+    assert len(grid.seeds) == 6 and not set(grid.seeds) & set(pilot.seeds) and len(pilot.seeds) == 2
+    cfg = {role: grid.configs[arm] for role, arm in grid.roles.items()}
+    pcfg = {role: pilot.configs[arm] for role, arm in pilot.roles.items()}
+    assert all(c.training.num_steps == 150 for c in cfg.values())
+    assert all(c.training.num_steps == 100 for c in pcfg.values())
+    for role in ("bf16", "none", "tis"):  # the same run but its length and seed
+        a, b = cfg[role], pcfg[role]
+        assert (a.rollout, a.correction, a.algorithm) == (b.rollout, b.correction, b.algorithm)
+        assert a.model == b.model
+        assert a.training.lr == b.training.lr
+        assert a.training.exact_eval_interval == b.training.exact_eval_interval
+    assert cfg["bf16"].rollout.weight_lag_steps == 0 and cfg["bf16"].rollout.quantization == "none"
+    for role in ("none", "tis", "acrl", "acrl_ext"):
+        r = cfg[role].rollout
+        assert r.stress_quantization and r.fp8_quantize_lm_head and r.weight_lag_steps >= 8
+        assert r.kv_cache_dtype == "fp8_e4m3"
+    paper, ext = cfg["acrl"].correction, cfg["acrl_ext"].correction
+    assert (paper.method, paper.gamma, paper.reference, paper.alpha_max, paper.weight_high) == (
+        "acrl",
+        0.65,
+        "static",
+        None,
+        None,
+    )
+    assert ext.method == "acrl" and ext != paper
+    assert "(written after the pilot)" not in grid.choices and grid.choices
+
+
 def test_bad_arm_is_named(tmp_path):
     bad = tmp_path / "g.yaml"
     bad.write_text(f"base: {ROOT / 'configs/tiny_dense.yaml'}\narms:\n  x: [correction.methd=tis]\n")
@@ -210,6 +247,8 @@ def _fake_run(out: Path, arm: str, seed: int, final: float, failed_at: int | Non
                 {"reward/mean": 0.5, "mismatch/k3_kl": 0.01 * step, "grad_norm": 1.0, "time/step": 2.0}
             )
             row["correction/weight_max"] = 1e3 if arm == "a" else 2.0
+            row.update({"mismatch/prob_abs_diff": 0.01 * step, "mismatch/log_ratio_min": -1.0})
+            row["mismatch/log_ratio_max"] = 0.5
         if step % 5 == 0:
             j = 0.3 + (final - 0.3) * step / 20
             row.update({"eval/exact_j": j, "eval/exact_j_served": j + gap})
@@ -277,6 +316,14 @@ def test_exact_report_from_synthetic_runs_then_from_the_archive(tmp_path, monkey
     assert "CPU per RL step (trainer + server processes, all cores): median 2.00 s" in report
     # the pilot, from its archive, with its go / no-go
     assert "### The pilot: pilot" in report and "Go / no-go: **go**" in report
+    # the grid's quiet-machine estimate: 5 arms x 3 seeds x 20 steps x 2.0 CPU s / 2 cores = 5 min
+    assert "Grid estimate: 15 runs, 0.17 CPU hours" in report and "**about 5 min**" in report
+    # ACRL replayed on the uncorrected pilot: static X = Y_1 = 0.01, Y_20 = 0.2, |alpha| = 0.65 * 19
+    assert "- `a` on `pn` seed 1: max Y/X 20, max |alpha| 12.3 (18/20 steps above 1)" in report
+    assert (
+        "- `e` on `pn` seed 2: max Y/X 20, max |alpha| 2 (18/20 steps above 1), largest weight up to 1e0.9"
+        in report
+    )
     assert (report_dir / "grid_eval_exact_j.png").stat().st_size > 1000
     assert "![grid_eval_exact_j](grid_eval_exact_j.png)" in report
     assert "## The first study (issue #7)" in report and "Carried over unchanged" in report
@@ -307,3 +354,48 @@ def test_exact_verdicts_state_each_outcome():
     assert verdicts.versus_tis(arm("a", [0.60, 0.61, 0.65]), base)[0] == "inferior"
     assert verdicts.noninferior(arm("a", [0.69, 0.70, 0.72]), base)[0]
     assert "one common seed" in verdicts.beats(arm("a", [0.9]), arm("n", [0.1]))[1]
+
+
+def test_pilot_check_reads_a_collapse_on_the_k3_peak():
+    """A collapsed uncorrected pilot: k3 rose 1e-2 -> 1 and fell to 1e-3 with the dead policy; the strict
+    clause says not rising, the peak reading goes; a peak of only 5x does not."""
+    import dataclasses
+
+    from megatron_acrl.study import verdicts
+    from megatron_acrl.study.exact import ExactArm
+
+    def arm(name: str, j: list[float], k3: tuple[float, float, float] | None = None) -> ExactArm:
+        nan = [float("nan")] * 2
+        start, end, peak = k3 or (float("nan"),) * 3
+        return ExactArm(name, [101, 102], [False] * 2, j, j, [0.4, 0.5], nan, nan, j, [start] * 2, [end] * 2,
+                        nan, nan, [0, 0], nan, nan, k3_peak=[peak] * 2)  # fmt: skip
+
+    bf16, dead = arm("b", [0.75, 0.8]), arm("n", [0.0, 0.0], (1e-2, 1e-3, 1.0))
+    go, text = verdicts.pilot_check(bf16, dead)
+    assert go and text.startswith("**go**") and "not rising on every seed" in text
+    assert "read on k3's peak: at least 10x" in text and "(largest 5-step mean 1, 1)" in text
+    weak = dataclasses.replace(dead, k3_peak=[5e-2, 5e-2])
+    assert not verdicts.pilot_check(bf16, weak)[0]
+    alive = arm("n", [0.6, 0.65], (1e-3, 1e-2, 1.0))  # not collapsed, k3 rising: the strict reading
+    go, text = verdicts.pilot_check(bf16, alive)
+    assert go and "peak:" not in text
+
+
+def test_acrl_replay_follows_the_controller():
+    """Y = 0.1, 0.2, 0.4: the paper's static X = 0.1 gives Y/X 1, 2, 4; an EMA (decay 0.5) reference
+    0.1, 0.1, 0.15 gives 1, 2, 2.67; |alpha| = 0.65 |1 - Y/X|, the weight bound exp(|alpha| * 2)."""
+    from megatron_acrl.config import CorrectionConfig
+    from megatron_acrl.study.replay import replay
+
+    rows = [{"step": 0, "eval/exact_j": 0.3}] + [
+        {"mismatch/prob_abs_diff": y, "mismatch/log_ratio_min": -2.0, "mismatch/log_ratio_max": 1.0}
+        for y in (0.1, 0.2, 0.4)
+    ]
+    paper = replay(rows, CorrectionConfig(method="acrl"))
+    assert paper.y_over_x == pytest.approx([1.0, 2.0, 4.0])
+    assert paper.alpha == pytest.approx([0.0, 0.65, 1.95])
+    assert paper.log10_weight[2] == pytest.approx(1.95 * 2 / 2.302585093)
+    ema = replay(rows, CorrectionConfig(method="acrl", reference="ema", ema_decay=0.5, weight_high=2.0))
+    assert ema.y_over_x == pytest.approx([1.0, 2.0, 0.4 / 0.15])
+    assert max(ema.log10_weight) == pytest.approx(0.30103, abs=1e-5)  # capped at weight_high
+    assert "max Y/X 4, max |alpha| 1.95 (1/3 steps above 1)" in paper.summary()

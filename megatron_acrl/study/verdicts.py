@@ -167,14 +167,36 @@ def k3_rises(arm: ExactArm) -> tuple[bool, str]:
     return ok, f"k3 (first -> last 20% of steps) {shown}{peak}: {word} on every seed"
 
 
+def k3_peaked(arm: ExactArm, factor: float = 10.0) -> bool:
+    """k3's largest 5-step mean at least ``factor`` x its first-20% mean, on every seed."""
+    pairs = [(a, p) for a, p in zip(arm.k3_start, arm.k3_peak, strict=False) if math.isfinite(a + p)]
+    return bool(pairs) and all(p >= factor * a for a, p in pairs)
+
+
+def collapsed(arm: ExactArm) -> bool:
+    """Every seed ended (last 20% of exact evals, trainer's weights) below half its step-0 exact J."""
+    pairs = [(j, j0) for j, j0 in zip(arm.j_trainer, arm.j0, strict=True) if math.isfinite(j + j0)]
+    return bool(pairs) and all(j < 0.5 * j0 for j, j0 in pairs)
+
+
 def pilot_check(bf16: ExactArm, none: ExactArm) -> tuple[bool, str]:
     """The pilot's go / no-go: uncorrected ends >= 0.05 below BF16 on the trainer's exact J (mean
-    paired shortfall: two seeds give no useful interval) with k3 rising."""
+    paired shortfall: two seeds give no useful interval) with k3 rising. Where the uncorrected runs
+    collapsed, k3 falls again once the dead policy stops moving: the clause is then read on k3's peak
+    (:func:`k3_peaked`), and both readings are stated (docs/study/README.md, written before the
+    pilot's stress arms ran)."""
     p = paired(none, bf16, "j_trainer")
     if p is None:
         return False, "**no-go**: no seed on which both pilot arms finished"
     rising, k3 = k3_rises(none)
-    go = p.diff <= -MARGIN and rising
+    grew = rising
+    if not rising and collapsed(none):
+        grew = k3_peaked(none)
+        k3 += (
+            f"; the uncorrected runs collapsed (J below half its step-0 value on every seed), so the clause "
+            f"is read on k3's peak: {'at least' if grew else 'not'} 10x its first 20% on every seed"
+        )
+    go = p.diff <= -MARGIN and grew
     return go, (
         f"**{'go' if go else 'no-go'}**: uncorrected {'is' if p.diff <= -MARGIN else 'is not'} >= {MARGIN} "
         f"below BF16 ({p.text()}); {k3}"
