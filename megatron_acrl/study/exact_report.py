@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_acrl.config import Config
 from megatron_acrl.study import verdicts
@@ -172,16 +173,26 @@ def plot(grid: Grid, arms: list[ExactArm], report_dir: Path) -> list[Path]:
                 ax.plot(cx, cy, color=line.get_color(), ls="--", lw=1.0, marker="x", ms=2)
         if key.startswith(("mismatch/", "correction/weight", "acrl/y", "grad_norm")):
             ax.set_yscale("symlog", linthresh=1e-3 if key.startswith("mismatch/") else 1.0)
-        ax.set_title(f"{grid.name}: {title}", fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, ax, f"{grid.name}: {title}", report_dir / _png(grid.name, key)))
     return written
+
+
+def _png(grid_name: str, key: str) -> str:
+    return f"{grid_name}_{key.replace('/', '_')}.png"
+
+
+def save_figure(fig: Any, ax: Any, title: str, path: Path) -> Path:
+    """Title, step axis, grid and legend on a study figure, then write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _setting(g: Grid, arms: list[ExactArm]) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_acrl.study.exact import collect_exact
-from megatron_acrl.study.exact_report import exact_section
+from megatron_acrl.study.exact_report import exact_section, save_figure
 from megatron_acrl.study.grid import Grid, load_grid
 from megatron_acrl.study.stats import (
     COLLAPSE_FRACTION,
@@ -151,15 +151,11 @@ def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Pa
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
         if key.startswith(("mismatch/k3", "mismatch/chi2")):
             ax.set_yscale("symlog", linthresh=1e-5)
-        ax.set_title(f"{grid.name}: {title}", fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
+        written.append(
+            save_figure(
+                fig, ax, f"{grid.name}: {title}", report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
+            )
+        )
     return written
 
 
