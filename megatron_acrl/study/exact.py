@@ -2,9 +2,10 @@
 summaries on the exact metric, and per-arm lists of them over seeds.
 
 A run is read from ``<out>/<arm>-s<seed>`` when it finished (``done``) or failed twice (``failed``).
-A grid with no run under ``--out`` is read from its archive, ``<report dir>/<grid>.runs.json``: the
-rows of :data:`KEEP` of every run, written whenever the report is generated from runs. That is how
-the pilot's numbers reach the report of a machine that never ran the pilot.
+A run not under ``--out`` is read from the grid's archive, ``<report dir>/<grid>.runs.json``: the
+rows of :data:`KEEP` of every run, rewritten (runs under ``--out`` replacing their archived copies)
+whenever the report is generated. That is how the pilot's numbers reach the report of a machine that
+never ran the pilot.
 
 The summaries (:class:`ExactArm`, one value per seed in seed order) use the mean of the last 20% of
 a run's exact evals, as the verdicts do. A failed run (it diverged, or its process died twice) has
@@ -88,21 +89,28 @@ def archive_path(grid: Grid, report_dir: Path) -> Path:
 
 
 def load_runs(grid: Grid, out: Path, report_dir: Path) -> dict[str, list[RunRecord]]:
-    """Every run of ``grid`` by arm, in seed order: from ``out`` when any run is there (and the
-    archive rewritten from them), else from the archive (empty when there is none)."""
-    found = {
-        arm: [r for s in grid.seeds if (r := _read_run(out / f"{arm}-s{s}", arm, s))] for arm in grid.arms
-    }
+    """Every run of ``grid`` by arm, in seed order: from ``out`` where it is there, else from the
+    grid's archive; the archive is rewritten with the union (a run under ``out`` replaces its archived
+    copy, an archived run missing from ``out`` is kept), so no finished run is lost."""
     archive = archive_path(grid, report_dir)
-    if any(found.values()):
+    kept: dict[str, list[dict[str, Any]]] = {}
+    if archive.exists():
+        kept = json.loads(archive.read_text())["runs"]
+    runs: dict[str, list[RunRecord]] = {}
+    for arm in grid.arms:
+        old = {int(r["seed"]): r for r in kept.get(arm, [])}
+        runs[arm] = []
+        for s in grid.seeds:
+            r = _read_run(out / f"{arm}-s{s}", arm, s)
+            if r is None and s in old:
+                r = RunRecord(**old[s])
+            if r is not None:
+                runs[arm].append(r)
+    if any(runs.values()):
         archive.parent.mkdir(parents=True, exist_ok=True)
-        data = {arm: [vars(r) for r in runs] for arm, runs in found.items()}
+        data = {arm: [vars(r) for r in rs] for arm, rs in runs.items()}
         archive.write_text(json.dumps({"grid": grid.name, "runs": data}, separators=(",", ":")) + "\n")
-        return found
-    if not archive.exists():
-        return {arm: [] for arm in grid.arms}
-    data = json.loads(archive.read_text())["runs"]
-    return {arm: [RunRecord(**r) for r in data.get(arm, []) if r["seed"] in grid.seeds] for arm in grid.arms}
+    return runs
 
 
 def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
