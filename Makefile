@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo study mutate clean
+.PHONY: setup test test-slow test-all lint bench demo study study-pilot study-first mutate clean
 
 setup: $(STAMP)
 
@@ -50,12 +50,28 @@ demo: $(STAMP)
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
 
-# The mismatch study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run
-# concurrently (--jobs 3, each with its shared SGLang servers) -> docs/study/REPORT.md with plots;
-# prints the total wall time.
+# The mismatch study (issue #23): stress FP8 + an 8-step weight lag, BF16 / none / TIS / ACRL / ACRL
+# extended, 6 seeds x 150 steps, verdicts on the exact metric, two seed shards side by side (--jobs 2,
+# each with its shared SGLang servers) -> docs/study/REPORT.md with plots (the pilot's numbers come
+# from docs/study/stress_lag_pilot.runs.json, the first study's section is carried over); prints the
+# total wall time. `make study STUDY_ARGS=--report-only` regenerates the report from the runs.
+STUDY_ARGS ?=
 study: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/stress_lag.yaml --jobs 2 --out runs/study \
+		--report docs/study $(STUDY_ARGS)
+
+# The pilot of that grid (its seeds are not the grid's): 4 arms x 2 seeds x 100 steps; a working
+# report in runs/study/pilot_report (`make study` puts the pilot's numbers into docs/study/REPORT.md).
+study-pilot: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/stress_lag_pilot.yaml --jobs 2 --out runs/study \
+		--report runs/study/pilot_report $(STUDY_ARGS)
+
+# The first study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run
+# concurrently (--jobs 3) -> its own report in docs/study/first/ (docs/study/REPORT.md carries the
+# section generated from its original runs).
+study-first: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/dense.yaml configs/study/dense_stress.yaml \
-		configs/study/moe_stress.yaml --jobs 3 --out runs/study --report docs/study
+		configs/study/moe_stress.yaml --jobs 3 --out runs/study --report docs/study/first $(STUDY_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

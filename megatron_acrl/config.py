@@ -358,6 +358,11 @@ class RolloutConfig(_Section):
     """Stress emulation (fake-quant only): quantize the MoE router weights too (FP8 recipes keep them
     in bf16), so near-tie expert choices flip between trainer and rollout."""
 
+    fp8_quantize_lm_head: bool = False
+    """Stress emulation (fake-quant only): quantize the output projection too (FP8 recipes keep it in
+    bf16), so every logit carries the rounding. A model with tied embeddings has no separate lm_head:
+    its embedding table is the output projection, and is quantized (as both) instead."""
+
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"
     """KV cache of the rollout servers: auto (the model dtype) or fp8_e4m3 (SGLang's FP8 KV cache on
     cuda; on cpu emulated in the bf16 cache, every K and V rounded through e4m3, since SGLang's CPU
@@ -448,7 +453,12 @@ class RolloutConfig(_Section):
     @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
-        return self.fp8_rounding != "nearest" or self.fp8_mantissa_bits != 3 or self.fp8_quantize_router
+        return (
+            self.fp8_rounding != "nearest"
+            or self.fp8_mantissa_bits != 3
+            or self.fp8_quantize_router
+            or self.fp8_quantize_lm_head
+        )
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
@@ -478,8 +488,8 @@ class RolloutConfig(_Section):
                 e,
                 self.quantization != "none",
                 "quantization",
-                "the fp8 stress options (fp8_rounding, fp8_mantissa_bits, fp8_quantize_router) need an "
-                "fp8_* quantization",
+                "the fp8 stress options (fp8_rounding, fp8_mantissa_bits, fp8_quantize_router, "
+                "fp8_quantize_lm_head) need an fp8_* quantization",
             )
             _check(
                 e,
@@ -899,6 +909,13 @@ class TrainingConfig(_Section):
     server's KV-cache dtype still applies). Without rollout quantization ``eval_trainer/*`` repeats
     ``eval/*``. Not possible with real FP8 servers (``rollout.fp8_mode``)."""
 
+    exact_eval_interval: int = 0
+    """The exact metric every N steps (0: off), and at step 0 and the last step: J = the mean over
+    every prompt of an enumerable task (1-digit addition: 100) of P(reference answer + EOS | prompt),
+    teacher-forced at temperature 1, on the trainer's weights (``eval/exact_j``, a forward pass) and
+    on the served copy (``eval/exact_j_served``, the servers' prompt log-probs of the same tokens, so
+    FP8 weights and the FP8 KV cache count). No sampling noise: cheap enough for every 10 steps."""
+
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the fused vocab-parallel log-prob (bounds its extra memory); None sizes
     chunks so one chunk's float32 working set stays in each core's cache on CPU (1024 on GPU)."""
@@ -953,6 +970,7 @@ class TrainingConfig(_Section):
         _check(e, self.save_interval >= 0, "save_interval", "must be >= 0")
         _check(e, self.eval_interval >= 0, "eval_interval", "must be >= 0")
         _check(e, self.eval_samples >= 0, "eval_samples", "must be >= 0 (0 turns the sampled eval off)")
+        _check(e, self.exact_eval_interval >= 0, "exact_eval_interval", "must be >= 0 (0 turns it off)")
         _check(
             e,
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
@@ -983,10 +1001,23 @@ class TaskConfig(_Section):
     eval_size: int = 64
     """Held-out prompts for evaluation."""
 
+    heldout_fraction: float = 0.1
+    """Synthetic tasks: the fraction of instances held out of training (split by a hash of the
+    instance) for the greedy held-out accuracy. 0 trains on every instance and has no held-out split:
+    right for 1-digit addition, whose 100 facts cannot be inferred from each other (a held-out fact
+    is never learned), and whose every prompt the exact metric (``training.exact_eval_interval``)
+    then scores as a trained one."""
+
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
         _check(e, self.num_digits >= 1, "num_digits", "must be >= 1")
         _check(e, self.eval_size >= 0, "eval_size", "must be >= 0")
+        _check(
+            e,
+            0 <= self.heldout_fraction < 1,
+            "heldout_fraction",
+            f"must be in [0, 1) (0: no held-out split), got {self.heldout_fraction}",
+        )
         if self.name == "gsm8k":
             _check(e, self.data_path is not None, "data_path", "gsm8k needs data_path: a JSONL file")
         return e
@@ -1152,6 +1183,16 @@ class Config:
             f"{m.max_position_embeddings}",
         )
         e += self._token_budget_checks()
+        if self.training.exact_eval_interval:
+            t = self.task
+            _check(
+                e,
+                t.name == "addition" and t.num_digits <= 2,
+                "training.exact_eval_interval",
+                f"the exact metric scores every prompt of the task, so it needs an enumerable one: "
+                f"task.name=addition with num_digits <= 2 (100 or 10,000 prompts), got "
+                f"{t.name} with num_digits={t.num_digits}; set training.exact_eval_interval=0",
+            )
         a = self.algorithm
         if a.name == "dr_grpo":
             _check(

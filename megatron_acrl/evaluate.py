@@ -1,16 +1,31 @@
-"""Evaluation of the served policy (and, on request, of the trainer's own unquantized weights).
+"""Evaluation of the served policy (and, on request, of the trainer's own unquantized weights), and
+the exact metric.
 
 Greedy accuracy on the held-out split, the sampled reward on fixed training prompts; every rank
 calls :func:`evaluate` (the weight pushes it makes are collective), rank 0 evaluates.
+
+The exact metric (:func:`evaluate_exact`, ``training.exact_eval_interval``): for a task whose prompts
+can be enumerated (1-digit addition: 100), the expected reward of the canonical answer,
+``J = mean over prompts of P(answer tokens + EOS | prompt)``, teacher-forced at temperature 1 --
+on the trainer's weights (``eval/exact_j``: one forward pass, :meth:`Policy.sequence_logprobs`) and
+on the copy the servers hold (``eval/exact_j_served``: their prompt log-probs of the same tokens,
+:meth:`RolloutServers.score`, so FP8 weights, the FP8 KV cache and the weight lag count). J is a lower
+bound of the expected sampled reward (other completions may also be right) without its sampling
+noise: it moves only when the policy does.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from megatron_acrl.batch import RolloutBatch
+from megatron_acrl.logging import read_jsonl_metrics
 from megatron_acrl.rollout import encode_prompts, score_groups
 from megatron_acrl.tasks.base import Prompt, Task
 
@@ -74,3 +89,91 @@ def fixed_train_prompts(task: Task, n: int) -> list[Prompt]:
         if len(seen) == n:
             break
     return list(seen.values())
+
+
+# -- the exact metric -------------------------------------------------------------------------------
+
+
+def exact_due(cfg: Any, step: int) -> bool:
+    """Whether the exact metric runs after ``step`` RL steps: at 0 (the weights that sample step 1),
+    every ``training.exact_eval_interval`` steps and at the last step."""
+    every = cfg.training.exact_eval_interval
+    return bool(every) and (step % every == 0 or step == cfg.training.num_steps)
+
+
+def exact_sequences(
+    tokenizer: Any, prompts: Sequence[Prompt], eos_id: int
+) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's token ids followed by its reference answer's and EOS (tokenized apart, as the
+    rollout and the warm start see them), and the number of answer tokens + 1 (the EOS)."""
+    seqs, lens = [], []
+    for p in prompts:
+        answer = tokenizer.encode(p.answer, add_special_tokens=False) + [eos_id]
+        seqs.append(tokenizer.encode(p.text, add_special_tokens=False) + answer)
+        lens.append(len(answer))
+    return seqs, lens
+
+
+def exact_batch(
+    seqs: Sequence[Sequence[int]], lens: Sequence[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens [N, L]`` int64 right-padded with ``pad_id`` and ``loss_mask [N, L]`` float32, 1 on each
+    sequence's last ``lens[i]`` tokens (the answer and EOS)."""
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width)
+    for i, (s, k) in enumerate(zip(seqs, lens, strict=True)):
+        tokens[i, : len(s)] = torch.tensor(s)
+        mask[i, len(s) - k : len(s)] = 1.0
+    return tokens, mask
+
+
+def exact_j(seq_logprobs: Sequence[float] | torch.Tensor) -> float:
+    """J = mean over prompts of exp(log P(answer + EOS | prompt))."""
+    lp = torch.as_tensor(seq_logprobs, dtype=torch.float64)
+    return float(lp.exp().mean())
+
+
+def evaluate_exact(ctx: RunContext, step: int) -> dict[str, float]:
+    """The exact metric after ``step`` steps when :func:`exact_due` (else {}): ``eval/exact_j`` on
+    every rank (the forward pass is collective, every rank calls this), and on rank 0 with servers
+    ``eval/exact_j_served`` and ``eval/exact_j_gap`` (served minus trainer)."""
+    if not exact_due(ctx.cfg, step):
+        return {}
+    prompts = ctx.task.exact_prompts()  # type: ignore[attr-defined]  # checked by the config
+    seqs, lens = exact_sequences(ctx.tokenizer, prompts, ctx.eos_id)
+    tokens, mask = exact_batch(seqs, lens, ctx.pad_id)
+    m = {"eval/exact_j": exact_j(ctx.policy.sequence_logprobs(tokens, mask))}
+    if ctx.rank == 0 and ctx.servers is not None:
+        served = [sum(x) for x in ctx.servers.score(seqs, lens)]
+        m["eval/exact_j_served"] = exact_j(served)
+        m["eval/exact_j_gap"] = m["eval/exact_j_served"] - m["eval/exact_j"]
+    return m
+
+
+def exact_j_summary(run_dir: str | Path) -> str | None:
+    """``exact J (...): trainer 0.31 -> 0.58 (+0.27), served ...`` from a run's ``metrics.jsonl``, at
+    its first and last exact eval, beside the sampled reward of the steps those weights sampled;
+    None when the run logged no exact metric."""
+    rows = read_jsonl_metrics(Path(run_dir) / "metrics.jsonl")
+    evals = [r for r in rows if _finite(r.get("eval/exact_j"))]
+    if len(evals) < 2:
+        return None
+    first, last = evals[0], evals[-1]
+    parts = [
+        f"trainer {first['eval/exact_j']:.3f} -> {last['eval/exact_j']:.3f} "
+        f"({last['eval/exact_j'] - first['eval/exact_j']:+.3f})"
+    ]
+    if _finite(first.get("eval/exact_j_served")) and _finite(last.get("eval/exact_j_served")):
+        a, b = first["eval/exact_j_served"], last["eval/exact_j_served"]
+        parts.append(f"served {a:.3f} -> {b:.3f} ({b - a:+.3f})")
+    # The rollout of step s + 1 was sampled from the weights after step s.
+    reward = {int(r["step"]): r["reward/mean"] for r in rows if _finite(r.get("reward/mean"))}
+    r0, r1 = reward.get(int(first["step"]) + 1), reward.get(int(last["step"]))
+    if r0 is not None and r1 is not None:
+        parts.append(f"sampled reward {r0:.3f} -> {r1:.3f}")
+    return f"exact J (teacher-forced, step {first['step']} -> {last['step']}): " + ", ".join(parts)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(float(x))

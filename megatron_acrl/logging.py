@@ -25,6 +25,8 @@ from megatron_acrl.config import LoggingConfig
 CONSOLE_KEYS = (
     ("reward/mean", "reward"),
     ("eval/accuracy", "eval_acc"),
+    ("eval/exact_j", "J"),
+    ("eval/exact_j_served", "J_served"),
     ("mismatch/k3_kl", "k3"),
     ("mismatch/log_ppl_abs_diff", "lppl"),
     ("acrl/y_over_x", "Y/X"),

@@ -112,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output directory (default: <first run>/plots)")
     args = ap.parse_args(argv)
     out = args.out or str(Path(args.runs[0]) / "plots")
+    from megatron_acrl.evaluate import exact_j_summary  # the driver's evaluation (torch) only here
+
     files = plot_runs(args.runs, out)
     print(f"{len(files)} plots in {out}")
     for run in args.runs:
-        line = reward_summary(run)
-        if line:
-            print(f"{Path(run).name}: {line}")
+        for line in (reward_summary(run), exact_j_summary(run)):
+            if line:
+                print(f"{Path(run).name}: {line}")
     return 0
 
 

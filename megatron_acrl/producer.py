@@ -20,12 +20,13 @@ generated again, first, with the same group ids (docs/async.md).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.batch import RolloutBatch, save_rollouts
 from megatron_acrl.distributed import broadcast_object, log0
-from megatron_acrl.evaluate import evaluate
+from megatron_acrl.evaluate import evaluate, evaluate_exact, exact_due
 from megatron_acrl.generation import GenerationEngine, PromptSource
 from megatron_acrl.group_queue import GroupQueue
 from megatron_acrl.resume import DriverState, save_checkpoint
@@ -55,6 +56,10 @@ class Producer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         return evaluate(self.ctx, step, format_version(self.served.version), self.served.restore)
+
+    def evaluate_exact(self, step: int) -> dict[str, float]:
+        """The exact metric J after ``step`` steps, when ``training.exact_eval_interval`` says so."""
+        return evaluate_exact(self.ctx, step)
 
     def step_metrics(self, step_s: float, wait_s: float) -> dict[str, float]:
         """Each side's idle fraction over a step of ``step_s`` seconds, ``wait_s`` of them spent
@@ -172,10 +177,18 @@ class AsyncProducer(Producer):
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate with nothing of training's in flight: its pushes (trainer weights) never reach a
         training sample."""
+        return self._holding(super().evaluate, step)
+
+    def evaluate_exact(self, step: int) -> dict[str, float]:
+        if not exact_due(self.ctx.cfg, step):
+            return {}
+        return self._holding(super().evaluate_exact, step)
+
+    def _holding(self, fn: Callable[[int], dict[str, float]], step: int) -> dict[str, float]:
         if self.engine is not None:
             self.engine.hold()
         try:
-            return super().evaluate(step)
+            return fn(step)
         finally:
             if self.engine is not None:
                 self.engine.release()

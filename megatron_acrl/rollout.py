@@ -111,10 +111,12 @@ def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> R
     assert ctx.servers is not None
     cfg = ctx.cfg
     ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
-    # No per-request sampling seeds: SGLang 0.5.23 on CPU repeats the same completions for different
-    # prompts and steps when given consecutive seeds (measured: identical samples one request apart),
-    # which collapses group diversity. The servers' own RNG (--random-seed) is used instead; exact
-    # reruns of the trainer side go through --save-rollouts / --load-rollouts.
+    # No per-request sampling seeds: SGLang 0.5.23 reads `sampling_seed` only under
+    # --enable-deterministic-inference, which it refuses with the CPU attention backends, so on a CPU
+    # server a seed changes nothing (measured for issue #23: the same hashed per-sample seeds gave
+    # other completions on a second request, and groups were as diverse as with the server's RNG,
+    # 4.1-4.4 distinct of 8 either way). The servers' own RNG (--random-seed) is used; exact reruns
+    # of the trainer side go through --save-rollouts / --load-rollouts.
     params = ctx.servers.sampling_params()
     groups = ctx.servers.generate(ids, cfg.rollout.n_samples_per_prompt, params)
     return score_groups(

@@ -402,6 +402,23 @@ class RolloutServers:
                 self.router.add_worker(url)
                 self._routed.add(url)
 
+    def score(self, sequences: Sequence[Sequence[int]], target_lens: Sequence[int]) -> list[list[float]]:
+        """The served log-probs of the last ``target_lens[i]`` tokens of each sequence, teacher-forced
+        at temperature 1 (:meth:`SGLangClient.score`), from the first server (all hold the same
+        weights); raises :class:`ServerGoneError` if it died."""
+
+        async def run() -> list[list[float]]:
+            r = self.cfg.rollout
+            async with SGLangClient(
+                self.urls[0],
+                api_key=self.api_key,
+                timeout_s=r.request_timeout_s,
+                max_concurrency=r.max_concurrency,
+            ) as client:
+                return await client.score(sequences, target_lens)
+
+        return asyncio.run(run())
+
     # -- weights ---------------------------------------------------------------------------------
 
     def update_weights(

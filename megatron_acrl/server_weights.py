@@ -127,9 +127,20 @@ def weights_for_servers(
     if scheme is not None and cfg.rollout.stress_quantization and quantize:
         r = cfg.rollout
         out = fake_quantize_named_stress(
-            out, scheme, r.fp8_rounding, r.fp8_mantissa_bits, quantize_router=r.fp8_quantize_router
+            out,
+            scheme,
+            r.fp8_rounding,
+            r.fp8_mantissa_bits,
+            quantize_router=r.fp8_quantize_router,
+            also=lm_head_names(cfg) if r.fp8_quantize_lm_head else (),
         )
     return out
+
+
+def lm_head_names(cfg: Config) -> tuple[str, ...]:
+    """The output projection's served HF name: ``lm_head.weight``, or with tied embeddings (no such
+    tensor: ``model.tie_embeddings``, as the converter maps it) the embedding table it shares."""
+    return ("model.embed_tokens.weight",) if cfg.model.tie_embeddings else ("lm_head.weight",)
 
 
 def meta_for_servers(meta: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> Meta:

@@ -27,7 +27,8 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
             # Routing replay changes how RL passes route, not the warm-started weights: arms that
             # differ only in it share one warm start (and keys predating the field stay valid).
             {k: v for k, v in config_to_dict(cfg.model).items() if k != "moe_routing_replay"},
-            config_to_dict(cfg.task),
+            # task.heldout_fraction at its default (the split before the field existed) keeps old keys.
+            {k: v for k, v in config_to_dict(cfg.task).items() if (k, v) != ("heldout_fraction", 0.1)},
             cfg.training.sft_steps,
             cfg.training.sft_lr,
             cfg.training.sft_batch_size,

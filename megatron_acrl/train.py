@@ -41,6 +41,8 @@ from sglang_bridge.server import ServersNotReady
 def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSignals) -> DriverState:
     """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
+    if state.step == 0 and (m0 := producer.evaluate_exact(0)) and log is not None:
+        log.log(0, m0)  # the exact metric of the weights that sample step 1
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
         batch, m = producer.next_batch(state, step)  # sync: generate now; async: a finished batch
@@ -71,6 +73,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
         m.update(phase_metrics(tb, (t0, t1, t2, t3, t4)) | producer.step_metrics(t4 - t0, t1 - t0))
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
             m.update(producer.evaluate(state.step))
+        m.update(producer.evaluate_exact(state.step))  # training.exact_eval_interval
         if log is not None:
             m.update(drift_metrics(tb, trainer_version=step))  # staleness, mismatch by lag
             log.log(state.step, m, **log_extras(cfg, batch, tb, state.step))

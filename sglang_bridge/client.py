@@ -415,6 +415,44 @@ class SGLangClient:
             bar.close()
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    async def score(
+        self, sequences: Sequence[Sequence[int]], target_lens: Sequence[int], per_request: int = 256
+    ) -> list[list[float]]:
+        """Teacher-forced log-probs of the last ``target_lens[i]`` tokens of ``sequences[i]`` under
+        the served weights (and KV cache): ``/generate`` with ``max_new_tokens`` 0, ``return_logprob``
+        and ``logprob_start_len`` one before the targets. SGLang 0.5.23 returns these prompt log-probs
+        (``input_token_logprobs``) of the *unscaled* logits, whatever the request's temperature, and
+        ``None`` at ``logprob_start_len`` itself; a prefix cached in the radix tree is not reused past
+        ``logprob_start_len``, so every target is recomputed. Returns ``[i][j]``: log p(target j)."""
+        if len(sequences) != len(target_lens):
+            raise ValueError(f"{len(sequences)} sequences but {len(target_lens)} target lengths")
+        flat = [[int(t) for t in s] for s in sequences]
+        for s, k in zip(flat, target_lens, strict=True):
+            if not 1 <= k < len(s):
+                raise ValueError(
+                    f"target length {k} must be in [1, {len(s) - 1}] for a {len(s)}-token sequence"
+                )
+
+        async def chunk(lo: int) -> list[list[float]]:
+            seqs, lens = flat[lo : lo + per_request], list(target_lens[lo : lo + per_request])
+            body = {
+                "input_ids": seqs,
+                "sampling_params": [{"max_new_tokens": 0, "temperature": 1.0}] * len(seqs),
+                "return_logprob": True,
+                "logprob_start_len": [len(s) - k - 1 for s, k in zip(seqs, lens, strict=True)],
+                "rid": [f"acrl-score-{id(self):x}-{next(self._rid)}" for _ in seqs],
+            }
+            async with self._sem:
+                outs = (await self._request("POST", "/generate", body)).json()
+            if not isinstance(outs, list) or len(outs) != len(seqs):
+                raise SGLangHTTPError(
+                    self.url, "/generate", 200, f"scoring {len(seqs)} sequences: {outs!r:.200}"
+                )
+            return [_target_logprobs(o, s, k, self.url) for o, s, k in zip(outs, seqs, lens, strict=True)]
+
+        parts = await asyncio.gather(*(chunk(lo) for lo in range(0, len(flat), per_request)))
+        return [x for part in parts for x in part]
+
     # -- control and weight-update endpoints --------------------------------------------------
     async def health(self) -> bool:
         """True if the server answers ``/model_info``."""
@@ -517,6 +555,18 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> Any:
         return await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+
+def _target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> list[float]:
+    """The last ``k`` entries of one scoring answer's ``input_token_logprobs`` (``[logprob, token,
+    text]`` each), checked against the sequence's own tokens."""
+    entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+    tail = entries[-k:]
+    if len(tail) != k or any(e[0] is None or int(e[1]) != t for e, t in zip(tail, seq[-k:], strict=True)):
+        raise SGLangHTTPError(
+            url, "/generate", 200, f"scoring answered {entries!r:.200} for the last {k} tokens of {seq}"
+        )
+    return [float(e[0]) for e in tail]
 
 
 __all__ = [

@@ -152,7 +152,12 @@ def test_bad_choice_suggests_valid_one():
         (["rollout.bucket_size_mb=0"], "rollout.bucket_size_mb", "> 0"),
         (["rollout.weight_sync=rank_0"], "rollout.weight_sync", "per_source"),
         (
-            ["parallel.pp=2", "parallel.world_size=2", "rollout.weight_lag_steps=1", "rollout.max_staleness=1"],
+            [
+                "parallel.pp=2",
+                "parallel.world_size=2",
+                "rollout.weight_lag_steps=1",
+                "rollout.max_staleness=1",
+            ],
             "rollout.weight_lag_steps",
             "set rollout.weight_sync=rank0",
         ),

@@ -3,6 +3,8 @@ through the real loop (shared SGLang server, stress quantization) produces the r
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,6 +42,43 @@ def test_full_grids_have_the_issue_arms():
         assert len(grid.seeds) >= 3
         stressed = [c for c in grid.configs.values() if c.rollout.quantization != "none"]
         assert all(c.rollout.stress_quantization for c in stressed) == grid.stress
+
+
+def test_stress_lag_grid_is_the_issue_grid_and_its_pilot_the_pilot():
+    """The shipped exact grid (issue #23): its five roles, 6 seeds x 150 steps, the pilot on other seeds
+    with the pilot's four roles, and the same settings but the steps (so the pilot's go / no-go speaks
+    for the grid); the paper's ACRL arm is the paper's law, the extension arm something else."""
+    grid = load_grid(ROOT / "configs" / "study" / "stress_lag.yaml")
+    pilot = load_grid(ROOT / grid.pilot)
+    assert grid.kind == pilot.kind == "exact"
+    assert set(grid.roles) == {"bf16", "none", "tis", "acrl", "acrl_ext"}
+    assert set(pilot.roles) == {"bf16", "bf16_lag", "none", "tis"}
+    assert len(grid.seeds) == 6 and not set(grid.seeds) & set(pilot.seeds) and len(pilot.seeds) == 2
+    cfg = {role: grid.configs[arm] for role, arm in grid.roles.items()}
+    pcfg = {role: pilot.configs[arm] for role, arm in pilot.roles.items()}
+    assert all(c.training.num_steps == 150 for c in cfg.values())
+    assert all(c.training.num_steps == 100 for c in pcfg.values())
+    for role in ("bf16", "none", "tis"):  # the same run but its length and seed
+        a, b = cfg[role], pcfg[role]
+        assert (a.rollout, a.correction, a.algorithm) == (b.rollout, b.correction, b.algorithm)
+        assert a.model == b.model
+        assert a.training.lr == b.training.lr
+        assert a.training.exact_eval_interval == b.training.exact_eval_interval
+    assert cfg["bf16"].rollout.weight_lag_steps == 0 and cfg["bf16"].rollout.quantization == "none"
+    for role in ("none", "tis", "acrl", "acrl_ext"):
+        r = cfg[role].rollout
+        assert r.stress_quantization and r.fp8_quantize_lm_head and r.weight_lag_steps >= 8
+        assert r.kv_cache_dtype == "fp8_e4m3"
+    paper, ext = cfg["acrl"].correction, cfg["acrl_ext"].correction
+    assert (paper.method, paper.gamma, paper.reference, paper.alpha_max, paper.weight_high) == (
+        "acrl",
+        0.65,
+        "static",
+        None,
+        None,
+    )
+    assert ext.method == "acrl" and ext != paper
+    assert "(written after the pilot)" not in grid.choices and grid.choices
 
 
 def test_bad_arm_is_named(tmp_path):
@@ -163,3 +202,203 @@ def test_grids_sharing_an_arm_run_together(tmp_path):
         files[name].write_text(f"base: {base}\narms:\n{body}")
     groups = grid_groups([load_grid(files[n]) for n in "abc"])
     assert sorted([g.name for g in grp] for grp in groups) == [["a", "c"], ["b"]]
+
+
+# -- exact grids (issue #23): verdicts on the exact metric, from runs or from the archive ------------
+
+EXACT_ARMS = {
+    "b": "[rollout.quantization=none, correction.method=none]",
+    "n": "[correction.method=none, rollout.weight_lag_steps=2]",
+    "t": "[correction.method=tis, rollout.weight_lag_steps=2]",
+    "a": "[correction.method=acrl, rollout.weight_lag_steps=2]",
+    "e": "[correction.method=acrl, correction.alpha_max=2.0, rollout.weight_lag_steps=2]",
+}
+# Final exact J of each arm per seed (1, 2, 3); the served copy scores 0.05 lower under the stress.
+FINAL_J = {
+    "b": [0.80, 0.70, 0.75],
+    "n": [0.60, 0.55, 0.62],
+    "t": [0.70, 0.66, 0.70],
+    "a": [0.72, 0.64, 0.73],
+    "e": [0.71, 0.65, 0.72],
+}
+
+
+def _exact_grid_file(tmp_path: Path, name: str, arms: dict[str, str], roles: str, pilot: str = "") -> Path:
+    body = "".join(f"  {arm}: {ov}\n" for arm, ov in arms.items())
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"base: {ROOT / 'configs/tiny_dense.yaml'}\nkind: exact\ntitle: {name}\n"
+        "common: [task.num_digits=1, training.exact_eval_interval=5, training.num_steps=20]\n"
+        f"seeds: [1, 2, 3]\nroles: {roles}\n" + (f"pilot: {pilot}\n" if pilot else "") + f"arms:\n{body}"
+    )
+    return path
+
+
+def _fake_run(out: Path, arm: str, seed: int, final: float, failed_at: int | None = None) -> None:
+    """A run's metrics.jsonl and marker: J rises linearly 0.3 -> final over 20 steps, evals every 5."""
+    run = out / f"{arm}-s{seed}"
+    run.mkdir(parents=True)
+    gap = 0.0 if arm == "b" else -0.05
+    rows = []
+    for step in range(0, 21 if failed_at is None else failed_at + 1):
+        row: dict = {"step": step}
+        if step:
+            row.update(
+                {"reward/mean": 0.5, "mismatch/k3_kl": 0.01 * step, "grad_norm": 1.0, "time/step": 2.0}
+            )
+            row["correction/weight_max"] = 1e3 if arm == "a" else 2.0
+            row.update({"mismatch/prob_abs_diff": 0.01 * step, "mismatch/log_ratio_min": -1.0})
+            row["mismatch/log_ratio_max"] = 0.5
+        if step % 5 == 0:
+            j = 0.3 + (final - 0.3) * step / 20
+            row.update({"eval/exact_j": j, "eval/exact_j_served": j + gap})
+        rows.append(row)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    marker = {"wall_s": 40.0, "trainer_cpu_s": 30.0, "server_cpu_s": 10.0}
+    (run / ("done" if failed_at is None else "failed")).write_text(json.dumps(marker))
+
+
+def test_exact_grid_checks_its_roles(tmp_path):
+    with pytest.raises(ConfigError, match=r"roles\.tis.*names no arm"):
+        load_grid(_exact_grid_file(tmp_path, "g", {"b": EXACT_ARMS["b"]}, "{bf16: b, tis: x}"))
+    with pytest.raises(ConfigError, match=r"roles.*needs the bf16 role"):
+        load_grid(_exact_grid_file(tmp_path, "g", {"b": EXACT_ARMS["b"]}, "{none: b}"))
+    with pytest.raises(ConfigError, match=r"arms\.b\.training\.exact_eval_interval.*> 0"):
+        load_grid(_exact_grid_file(tmp_path, "g", {"b": "[training.exact_eval_interval=0]"}, "{bf16: b}"))
+    with pytest.raises(ConfigError, match=r"roles\.best.*unknown role"):
+        load_grid(_exact_grid_file(tmp_path, "g", {"b": EXACT_ARMS["b"]}, "{bf16: b, best: b}"))
+
+
+def test_seed_shards_split_a_lone_grid_for_the_jobs(tmp_path):
+    from megatron_acrl.study.run import seed_shards
+
+    grid = load_grid(_exact_grid_file(tmp_path, "g", {"b": EXACT_ARMS["b"]}, "{bf16: b}"))
+    units = seed_shards([[grid]], 2)
+    assert [([g.seeds for g in grp], tag) for grp, tag in units] == [
+        ([(1, 3)], "_shard0"),
+        ([(2,)], "_shard1"),
+    ]
+    assert seed_shards([[grid], [grid]], 2) == [([grid], ""), ([grid], "")]  # one unit per group
+
+
+def test_exact_report_from_synthetic_runs_then_from_the_archive(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["study"])
+    out, report_dir = tmp_path / "runs", tmp_path / "report"
+    pilot = _exact_grid_file(
+        tmp_path, "pilot", {"pb": EXACT_ARMS["b"], "pn": EXACT_ARMS["n"]}, "{bf16: pb, none: pn}"
+    )
+    for seed in (1, 2):  # the pilot: 0.15 below BF16 on average, k3 rising
+        _fake_run(out, "pb", seed, 0.75)
+        _fake_run(out, "pn", seed, 0.60)
+    assert main([str(pilot), "--out", str(out), "--report", str(report_dir), "--report-only"]) == 0
+    assert (report_dir / "pilot.runs.json").exists()
+    for arm in ("pb", "pn"):  # the pilot's runs are gone: the grid's report reads its archive
+        shutil.rmtree(out / f"{arm}-s1"), shutil.rmtree(out / f"{arm}-s2")
+    roles = "{bf16: b, none: n, tis: t, acrl: a, acrl_ext: e}"
+    grid = _exact_grid_file(tmp_path, "grid", EXACT_ARMS, roles, pilot=str(pilot))
+    for arm, finals in FINAL_J.items():
+        for seed, final in zip((1, 2, 3), finals, strict=True):
+            _fake_run(out, arm, seed, final, failed_at=12 if (arm, seed) == ("e", 3) else None)
+    assert main([str(grid), "--out", str(out), "--report", str(report_dir), "--report-only"]) == 0
+    report = (report_dir / "REPORT.md").read_text()
+    # 1: n - b = -0.20, -0.15, -0.13: mean -0.160, t(2) half-width 4.303 * 0.03606 / sqrt(3) = 0.0896
+    assert "1. **The stress is real** (uncorrected vs BF16, trainer's exact J): **yes**" in report
+    assert "`n` 0.590 vs `b` 0.750: difference -0.160, 95% CI -0.250 to -0.070; `n` higher on 0/3" in report
+    assert "ACRL beats uncorrected** (trainer's exact J):\n   - `a`: **yes**" in report
+    assert "`a` 0.697 vs `t` 0.687: difference +0.010" in report and "`a`: **unresolved**" in report
+    assert "ACRL is non-inferior to BF16 sync** (served exact J, margin 0.05):\n   - `a`: **no**" in report
+    # the failed run counts as J = 0, and the extension verdict names it and the paper arm's weights
+    assert "| e | acrl_ext | 3 |" in report and "| 1/3 |" in report
+    assert "5. **Our extension reaches the paper's arm without its failures**" in report
+    assert "`e`: 1 failed run(s)" in report and "largest weight 1e+03" in report
+    # the served-minus-trainer gap at step 1 and at the end, and the cost per step
+    assert "| a | acrl | 3 | 0.697 +- 0.049 | 0.647 +- 0.049 | -0.050 +- 0.000 | -0.050 +- 0.000 |" in report
+    assert "CPU per RL step (trainer + server processes, all cores): median 2.00 s" in report
+    # the pilot, from its archive, with its go / no-go
+    assert "### The pilot: pilot" in report and "Go / no-go: **go**" in report
+    # the grid's quiet-machine estimate: 5 arms x 3 seeds x 20 steps x 2.0 CPU s / 2 cores = 5 min
+    assert "Grid estimate: 15 runs, 0.17 CPU hours" in report and "**about 5 min**" in report
+    # ACRL replayed on the uncorrected pilot: static X = Y_1 = 0.01, Y_20 = 0.2, |alpha| = 0.65 * 19
+    assert "- `a` on `pn` seed 1: max Y/X 20, max |alpha| 12.3 (18/20 steps above 1)" in report
+    assert (
+        "- `e` on `pn` seed 2: max Y/X 20, max |alpha| 2 (18/20 steps above 1), largest weight up to 1e0.9"
+        in report
+    )
+    assert (report_dir / "grid_eval_exact_j.png").stat().st_size > 1000
+    assert "![grid_eval_exact_j](grid_eval_exact_j.png)" in report
+    assert "## The first study (issue #7)" in report and "Carried over unchanged" in report
+    # one run gone: it comes from the archive, the others from their runs; then all of them gone
+    shutil.rmtree(out / "b-s1")
+    assert main([str(grid), "--out", str(out), "--report", str(report_dir), "--report-only"]) == 0
+    assert (report_dir / "REPORT.md").read_text().split("### Verdicts")[1] == report.split("### Verdicts")[1]
+    shutil.rmtree(out)
+    assert main([str(grid), "--out", str(out), "--report", str(report_dir), "--report-only"]) == 0
+    again = (report_dir / "REPORT.md").read_text()
+    assert again.split("### Verdicts")[1] == report.split("### Verdicts")[1]
+
+
+def test_exact_verdicts_state_each_outcome():
+    from megatron_acrl.study import verdicts
+    from megatron_acrl.study.exact import ExactArm
+
+    def arm(name: str, j: list[float]) -> ExactArm:
+        n = len(j)
+        nan = [float("nan")] * n
+        return ExactArm(name, list(range(1, n + 1)), [False] * n, j, j, nan, nan, nan, j, nan, nan, nan, nan,
+                        [0] * n, nan, nan)  # fmt: skip
+
+    base = arm("b", [0.70, 0.72, 0.74])
+    assert verdicts.stress_is_real(base, arm("n", [0.68, 0.70, 0.72]))[1].startswith(
+        "**no**: uncorrected is below BF16 (interval excludes 0) but by 0.020 < 0.05"
+    )
+    assert verdicts.versus_tis(arm("a", [0.71, 0.73, 0.75]), base)[0] == "superior"
+    assert verdicts.versus_tis(arm("a", [0.69, 0.73, 0.74]), base)[0] == "equivalent"
+    assert verdicts.versus_tis(arm("a", [0.50, 0.73, 0.90]), base)[0] == "unresolved"
+    assert verdicts.versus_tis(arm("a", [0.60, 0.61, 0.65]), base)[0] == "inferior"
+    assert verdicts.noninferior(arm("a", [0.69, 0.70, 0.72]), base)[0]
+    assert "one common seed" in verdicts.beats(arm("a", [0.9]), arm("n", [0.1]))[1]
+
+
+def test_pilot_check_reads_a_collapse_on_the_k3_peak():
+    """A collapsed uncorrected pilot: k3 rose 1e-2 -> 1 and fell to 1e-3 with the dead policy; the strict
+    clause says not rising, the peak reading goes; a peak of only 5x does not."""
+    import dataclasses
+
+    from megatron_acrl.study import verdicts
+    from megatron_acrl.study.exact import ExactArm
+
+    def arm(name: str, j: list[float], k3: tuple[float, float, float] | None = None) -> ExactArm:
+        nan = [float("nan")] * 2
+        start, end, peak = k3 or (float("nan"),) * 3
+        return ExactArm(name, [101, 102], [False] * 2, j, j, [0.4, 0.5], nan, nan, j, [start] * 2, [end] * 2,
+                        nan, nan, [0, 0], nan, nan, k3_peak=[peak] * 2)  # fmt: skip
+
+    bf16, dead = arm("b", [0.75, 0.8]), arm("n", [0.0, 0.0], (1e-2, 1e-3, 1.0))
+    go, text = verdicts.pilot_check(bf16, dead)
+    assert go and text.startswith("**go**") and "not rising on every seed" in text
+    assert "read on k3's peak: at least 10x" in text and "(largest 5-step mean 1, 1)" in text
+    weak = dataclasses.replace(dead, k3_peak=[5e-2, 5e-2])
+    assert not verdicts.pilot_check(bf16, weak)[0]
+    alive = arm("n", [0.6, 0.65], (1e-3, 1e-2, 1.0))  # not collapsed, k3 rising: the strict reading
+    go, text = verdicts.pilot_check(bf16, alive)
+    assert go and "peak:" not in text
+
+
+def test_acrl_replay_follows_the_controller():
+    """Y = 0.1, 0.2, 0.4: the paper's static X = 0.1 gives Y/X 1, 2, 4; an EMA (decay 0.5) reference
+    0.1, 0.1, 0.15 gives 1, 2, 2.67; |alpha| = 0.65 |1 - Y/X|, the weight bound exp(|alpha| * 2)."""
+    from megatron_acrl.config import CorrectionConfig
+    from megatron_acrl.study.replay import replay
+
+    rows = [{"step": 0, "eval/exact_j": 0.3}] + [
+        {"mismatch/prob_abs_diff": y, "mismatch/log_ratio_min": -2.0, "mismatch/log_ratio_max": 1.0}
+        for y in (0.1, 0.2, 0.4)
+    ]
+    paper = replay(rows, CorrectionConfig(method="acrl"))
+    assert paper.y_over_x == pytest.approx([1.0, 2.0, 4.0])
+    assert paper.alpha == pytest.approx([0.0, 0.65, 1.95])
+    assert paper.log10_weight[2] == pytest.approx(1.95 * 2 / 2.302585093)
+    ema = replay(rows, CorrectionConfig(method="acrl", reference="ema", ema_decay=0.5, weight_high=2.0))
+    assert ema.y_over_x == pytest.approx([1.0, 2.0, 0.4 / 0.15])
+    assert max(ema.log10_weight) == pytest.approx(0.30103, abs=1e-5)  # capped at weight_high
+    assert "max Y/X 4, max |alpha| 1.95 (1/3 steps above 1)" in paper.summary()

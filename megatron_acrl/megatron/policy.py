@@ -210,6 +210,34 @@ class Policy(ModelTrainer):
             out = self._keep_routing(batch, routing, observed, applied, out)
         return out
 
+    def sequence_logprobs(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced log-probability of each sequence's masked tokens on the policy's weights,
+        at temperature 1 (the exact metric, :mod:`megatron_acrl.evaluate`); all ranks call it.
+
+        Args:
+            tokens: ``[N, L]`` int64, the same on every rank, any N (padded here to whole
+                micro-batches on every data-parallel rank, and cut back).
+            loss_mask: ``[N, L]``, 1 on the tokens to score.
+        Returns:
+            ``[N]`` float64 on every rank: ``sum_t mask[n, t] * log p(tokens[n, t] | tokens[n, :t])``.
+        MoE routers route freely (the trainer's own choice: there is no rollout routing to replay).
+        """
+        n = tokens.shape[0]
+        pad = -n % (self.dp_size * self.cfg.training.micro_batch_size)
+        if pad:
+            tokens = torch.cat([tokens, tokens[:1].expand(pad, -1)])
+        temperature, self.adapter.temperature = self.adapter.temperature, 1.0
+        try:  # _forward_only directly: no routing replay is begun, so routers route freely
+            out = self._forward_only(
+                self.model,
+                {"tokens": tokens},
+                lambda mb: self.adapter.forward_only_func(mb, False),
+                ["logprobs"],
+            )
+        finally:
+            self.adapter.temperature = temperature
+        return (out["logprobs"][:n].double() * loss_mask.double()).sum(-1)
+
     def _keep_routing(
         self,
         batch: Mapping[str, torch.Tensor],

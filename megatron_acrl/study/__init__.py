@@ -19,8 +19,18 @@ whose overrides are unchanged is reused (two grids may share their BF16 baseline
 +- std over seeds, collapsed yes/no --, the goal verdict stated with its numbers, and PNG curves of
 the per-arm mean over seeds drawn with matplotlib from the runs' ``metrics.jsonl``.
 
-Rooms: :mod:`~megatron_acrl.study.grid` (grid files, arms, seeds), :mod:`~megatron_acrl.study.run`
-(running arms and grids, shared servers, ``--jobs``), :mod:`~megatron_acrl.study.stats` (per-run
-summaries, means over seeds, paired intervals), :mod:`~megatron_acrl.study.report` (verdicts,
-figures, ``REPORT.md``), :mod:`~megatron_acrl.study.cli` (the command line).
+An *exact* grid (``kind: exact``, issue #23) judges its arms on the exact metric (``eval/exact_j``
+on the trainer's weights, ``eval/exact_j_served`` on the served copy: :mod:`megatron_acrl.evaluate`)
+instead of the sampled reward, names the role of each arm in its verdicts, and may name a pilot grid
+whose numbers (kept in an archive beside the report) and the choices made from them go into its
+section. ``make study`` runs the stress + lag grid (docs/study/README.md).
+
+Rooms: :mod:`~megatron_acrl.study.grid` (grid files, arms, seeds, roles), :mod:`~megatron_acrl.study.run`
+(running arms and grids, shared servers, ``--jobs`` and seed shards, failed runs, CPU accounting),
+:mod:`~megatron_acrl.study.stats` (per-run summaries, means over seeds, paired intervals),
+:mod:`~megatron_acrl.study.exact` (exact grids' runs, archives and summaries),
+:mod:`~megatron_acrl.study.verdicts` (the exact grids' verdicts and the pilot's go / no-go),
+:mod:`~megatron_acrl.study.exact_report` (an exact grid's section and figures),
+:mod:`~megatron_acrl.study.report` (the reward grids' verdicts and figures, ``REPORT.md``),
+:mod:`~megatron_acrl.study.cli` (the command line).
 """

@@ -51,19 +51,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_study(args: argparse.Namespace, grids: list[Grid], stop: StopSignals) -> float:
-    """Run the grids (the ``--seeds`` of them) and record the wall time; returns it."""
+def run_study(
+    args: argparse.Namespace, grids: list[Grid], stop: StopSignals
+) -> tuple[float, list[tuple[str, int]]]:
+    """Run the grids (the ``--seeds`` of them) and record the wall time; returns it and the runs
+    that failed."""
     out = Path(args.out)
     t0 = time.monotonic()
     todo = grids
     if args.seeds:
         todo = [dataclasses.replace(g, seeds=tuple(x for x in g.seeds if x in args.seeds)) for g in grids]
-    run_grids([g for g in todo if g.seeds], out, args.jobs, stop)
+    failed = run_grids([g for g in todo if g.seeds], out, args.jobs, stop)
     wall = time.monotonic() - t0
     (out / "study_wall.json").write_text(
         json.dumps({"wall_s": wall, "grids": [g.name for g in grids], "jobs": args.jobs}) + "\n"
     )
-    return wall
+    return wall, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         with stop_on_signals() as stop:
-            wall = None if args.report_only else run_study(args, grids, stop)
+            wall, failed = (None, []) if args.report_only else run_study(args, grids, stop)
             spent = time.monotonic() - t0
             report = write_report(grids, Path(args.out), Path(args.report), wall, note=args.note)
     except (StudyStopped, Interrupted) as err:
@@ -88,4 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + (stop.signum or signal.SIGINT)
     print(f"study report: {report}")
     print(f"study: total wall time {spent / 60:.1f} min", flush=True)
+    if failed:
+        runs = ", ".join(f"{arm} seed {seed}" for arm, seed in failed)
+        print(
+            f"study: {len(failed)} run(s) failed twice ({runs}); see <run>/failed and train.log",
+            file=sys.stderr,
+        )
+        return 1
     return 0

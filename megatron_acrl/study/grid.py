@@ -3,6 +3,11 @@
 A grid YAML holds the keys of :data:`GRID_KEYS`; every arm's config (base + common + the arm's own
 overrides) must load, and is kept on the :class:`Grid` (seed aside). Arm names are unique across the
 grids of one invocation unless the arm is the same run in each (the shared BF16 baseline).
+
+Two kinds of grid: ``reward`` (the first study's: verdicts on the sampled reward) and ``exact``
+(verdicts on the exact metric, ``training.exact_eval_interval``): an exact grid names the arm of each
+role its verdicts compare (:data:`ROLES`), and may name its ``pilot`` grid (run before it, on other
+seeds) and the ``choices`` made from the pilot, written down before the grid runs.
 """
 
 from __future__ import annotations
@@ -15,7 +20,31 @@ import yaml
 
 from megatron_acrl.config import Config, ConfigError, load_config
 
-GRID_KEYS = ("base", "common", "seeds", "arms", "ranks", "title", "notes", "stress", "shared_server")
+GRID_KEYS = (
+    "base",
+    "common",
+    "seeds",
+    "arms",
+    "ranks",
+    "title",
+    "notes",
+    "stress",
+    "shared_server",
+    "kind",
+    "roles",
+    "pilot",
+    "choices",
+)
+
+ROLES = {
+    "bf16": "BF16 rollout, no lag, no correction (the reference)",
+    "bf16_lag": "BF16 rollout with the weight lag, no correction (the lag alone)",
+    "none": "stress FP8 + lag, uncorrected",
+    "tis": "stress FP8 + lag, token TIS",
+    "acrl": "stress FP8 + lag, ACRL as in the paper",
+    "acrl_ext": "stress FP8 + lag, ACRL with our extensions",
+}
+"""The roles an exact grid's arms can play in its verdicts (``roles: {role: arm}``)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +65,14 @@ class Grid:
     """A stress setting: the verdict also compares ACRL with TIS and MIS."""
     shared_server: bool = True
     """One SGLang server for the whole grid (see :mod:`megatron_acrl.study`)."""
+    kind: str = "reward"
+    """``reward`` (verdicts on the sampled reward) or ``exact`` (on the exact metric)."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """Exact grids: the arm of each role of :data:`ROLES`."""
+    pilot: str = ""
+    """Exact grids: the pilot's grid file (its numbers go into this grid's report section)."""
+    choices: str = ""
+    """Exact grids: what was chosen from the pilot, and why (written before the grid ran)."""
     configs: dict[str, Config] = field(default_factory=dict, compare=False, repr=False)
     """Each arm's validated config (seed aside)."""
 
@@ -62,6 +99,9 @@ def load_grid(path: str | Path) -> Grid:
             raise ConfigError(
                 [(f"arms.{arm}.{p}" if p else f"arms.{arm}", m) for p, m in err.errors]
             ) from None
+    kind = str(data.get("kind", "reward"))
+    roles = {str(k): str(v) for k, v in (data.get("roles") or {}).items()}
+    _check_exact(path, kind, roles, arms, configs, str(data.get("pilot", "")))
     return Grid(
         base=str(data["base"]),
         common=tuple(str(o) for o in data.get("common", [])),
@@ -73,8 +113,45 @@ def load_grid(path: str | Path) -> Grid:
         notes=str(data.get("notes", "")).strip(),
         stress=bool(data.get("stress", False)),
         shared_server=bool(data.get("shared_server", True)),
+        kind=kind,
+        roles=roles,
+        pilot=str(data.get("pilot", "")),
+        choices=str(data.get("choices", "")).strip(),
         configs=configs,
     )
+
+
+def _check_exact(
+    path: str | Path, kind: str, roles: dict[str, str], arms: dict, configs: dict[str, Config], pilot: str
+) -> None:
+    """An exact grid: known roles naming its arms, every arm logging the exact metric, a pilot file
+    that exists; a reward grid has none of these keys."""
+    if kind not in ("reward", "exact"):
+        raise ConfigError([(f"{path}.kind", f"must be reward or exact, got {kind!r}")])
+    if kind == "reward":
+        if roles or pilot:
+            raise ConfigError([(f"{path}.roles", "roles and pilot belong to kind: exact grids")])
+        return
+    errors = []
+    for role, arm in roles.items():
+        if role not in ROLES:
+            errors.append((f"{path}.roles.{role}", f"unknown role; use {', '.join(ROLES)}"))
+        elif arm not in arms:
+            errors.append((f"{path}.roles.{role}", f"names no arm of the grid: {arm!r}"))
+    if "bf16" not in roles:
+        errors.append((f"{path}.roles", "an exact grid needs the bf16 role (the reference arm)"))
+    for arm, cfg in configs.items():
+        if not cfg.training.exact_eval_interval:
+            errors.append(
+                (
+                    f"arms.{arm}.training.exact_eval_interval",
+                    "must be > 0 in an exact grid (its verdicts use it)",
+                )
+            )
+    if pilot and not Path(pilot).is_file():
+        errors.append((f"{path}.pilot", f"no such grid file: {pilot}"))
+    if errors:
+        raise ConfigError(errors)
 
 
 def conflicting_arm(grids: Sequence[Grid]) -> str | None:

@@ -2,8 +2,11 @@
 
 :func:`write_report` writes ``REPORT.md`` and one PNG per grid and panel from the finished runs under
 ``--out`` (nothing in it is edited by hand; ``--report-only`` regenerates it byte for byte from the
-same runs). Sections, in order: how it was run (wall times), the columns, the goal verdict at a
-glance, the same comparisons on the trainer's own weights (when logged), then one section per grid.
+same runs). Sections, in order: how it was run (wall times); each exact grid's section
+(:mod:`megatron_acrl.study.exact_report`: verdicts, table, differences, figures, its pilot); then the
+reward grids': the columns, the goal verdict at a glance, the same comparisons on the trainer's own
+weights (when logged), then one section per grid. When no reward grid is in the invocation, the first
+study's section is carried over unchanged from :data:`FIRST_STUDY` (its runs are not kept).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_acrl.study.grid import Grid
+from megatron_acrl.study.exact import collect_exact
+from megatron_acrl.study.exact_report import exact_section, save_figure
+from megatron_acrl.study.grid import Grid, load_grid
 from megatron_acrl.study.stats import (
     COLLAPSE_FRACTION,
     ArmResult,
@@ -146,15 +151,11 @@ def plot_grid(grid: Grid, results: list[ArmResult], report_dir: Path) -> list[Pa
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.08)
         if key.startswith(("mismatch/k3", "mismatch/chi2")):
             ax.set_yscale("symlog", linthresh=1e-5)
-        ax.set_title(f"{grid.name}: {title}", fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
+        written.append(
+            save_figure(
+                fig, ax, f"{grid.name}: {title}", report_dir / f"{grid.name}_{key.replace('/', '_')}.png"
+            )
+        )
     return written
 
 
@@ -319,16 +320,48 @@ def _grid_section(g: Grid, results: list[ArmResult], report_dir: Path) -> list[s
     return lines
 
 
+FIRST_STUDY = Path(__file__).resolve().parents[2] / "docs" / "study" / "first_study.md"
+"""The first study's section (issue #7: 105 runs of 40 steps, sampled-reward verdicts) as it was
+generated from its runs on 2026-11-30, which are not kept; the report carries it over unchanged."""
+
+FIRST_STUDY_NOTE = (
+    "*Carried over unchanged* from the report generated from the first study's runs (2026-11-30; "
+    "those runs are not on this machine, so this text is not regenerated). Its grids stay runnable "
+    "(`make study-first` reruns them and regenerates this section from the runs). Its figures are "
+    "the `dense_*`, `dense_stress_*` and `moe_stress_*` PNGs beside this report."
+)
+
+
+def _exact_sections(grids: Sequence[Grid], out: Path, report_dir: Path) -> list[str]:
+    lines = []
+    for g in grids:
+        pilot = None
+        if g.pilot:
+            pg = load_grid(g.pilot)
+            pilot = (pg, collect_exact(pg, out, report_dir))
+        lines += exact_section(g, collect_exact(g, out, report_dir), report_dir, pilot)
+    return lines
+
+
 def write_report(
     grids: Sequence[Grid], out: Path, report_dir: Path, wall_s: float | None = None, note: str = ""
 ) -> Path:
-    """REPORT.md and PNGs in ``report_dir`` from the finished runs under ``out``."""
+    """REPORT.md and PNGs in ``report_dir`` from the finished runs under ``out`` (exact grids also
+    from their archives in ``report_dir``)."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    lines = _intro(grids, note) + _wall_times(grids, out, wall_s) + ["", COLUMNS, ""]
-    collected = {g.name: collect(g, out) for g in grids}
-    lines += _verdicts(grids, collected)
-    for g in grids:
-        lines += _grid_section(g, collected[g.name], report_dir)
+    exact = [g for g in grids if g.kind == "exact"]
+    reward = [g for g in grids if g.kind != "exact"]
+    lines = _intro(grids, note) + _wall_times(grids, out, wall_s) + [""]
+    lines += _exact_sections(exact, out, report_dir)
+    if reward:
+        lines += [COLUMNS, ""]
+        collected = {g.name: collect(g, out) for g in reward}
+        lines += _verdicts(reward, collected)
+        for g in reward:
+            lines += _grid_section(g, collected[g.name], report_dir)
+    elif FIRST_STUDY.is_file():
+        lines += ["## The first study (issue #7): FP8 rollout at 40 steps, sampled-reward verdicts", ""]
+        lines += [FIRST_STUDY_NOTE, "", FIRST_STUDY.read_text().rstrip("\n"), ""]
     path = report_dir / "REPORT.md"
     path.write_text("\n".join(lines))
     return path

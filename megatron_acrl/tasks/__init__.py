@@ -13,7 +13,7 @@ SYNTHETIC = {"addition": AdditionTask, "counting": CountingTask, "sorting": Sort
 def make_task(cfg: TaskConfig) -> Task:
     """Build the task named by ``cfg.name``."""
     if cfg.name in SYNTHETIC:
-        return SYNTHETIC[cfg.name](cfg.num_digits)
+        return SYNTHETIC[cfg.name](cfg.num_digits, heldout_fraction=cfg.heldout_fraction)
     if cfg.name == "gsm8k":
         if cfg.data_path is None:
             raise ValueError("task.name=gsm8k needs task.data_path (a GSM8K-format JSONL file)")

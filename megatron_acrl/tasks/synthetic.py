@@ -1,7 +1,9 @@
 """Synthetic tasks with verifiable rewards that a tiny model learns on a CPU in minutes.
 
 Each task draws its instances from a seeded generator; the evaluation split is a fixed set of
-instances that never appear in training (split by a hash of the instance).
+instances that never appear in training (split by a hash of the instance; ``heldout_fraction`` 0
+trains on every instance). Addition with one or two digits is *enumerable*: :meth:`AdditionTask.
+exact_prompts` lists every instance, which the exact metric (:mod:`megatron_acrl.evaluate`) scores.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ def _is_eval(key: str, eval_fraction: float = 0.1) -> bool:
     return h / 0xFFFFFFFF < eval_fraction
 
 
+EXACT_LIMIT = 10_000
+"""Most prompts an enumerable task lists for the exact metric (2-digit addition)."""
+
+
 @dataclass
 class _Synthetic:
     """Shared machinery: enumerate a finite instance space, split it, stream it."""
@@ -29,6 +35,8 @@ class _Synthetic:
     name: str
     num_digits: int = 2
     pool_size: int = 4096
+    heldout_fraction: float = 0.1
+    """Fraction of instances held out of training (0: none, every instance trains)."""
 
     def _instance(self, rng: random.Random) -> tuple[str, str]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -43,7 +51,8 @@ class _Synthetic:
                 if text in seen:
                     continue
                 seen.add(text)
-                (evals if _is_eval(text) else train).append(Prompt(text, answer, uid=len(seen)))
+                held = self.heldout_fraction > 0 and _is_eval(text, self.heldout_fraction)
+                (evals if held else train).append(Prompt(text, answer, uid=len(seen)))
                 if len(seen) >= self.pool_size:
                     break
             self._cache = (train, evals)
@@ -67,20 +76,31 @@ class _Synthetic:
 class AdditionTask(_Synthetic):
     """``"12+34="`` -> ``"46"``."""
 
-    def __init__(self, num_digits: int = 2):
-        super().__init__("addition", num_digits)
+    def __init__(self, num_digits: int = 2, heldout_fraction: float = 0.1):
+        super().__init__("addition", num_digits, heldout_fraction=heldout_fraction)
 
     def _instance(self, rng: random.Random) -> tuple[str, str]:
         hi = 10**self.num_digits - 1
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         return f"{a}+{b}=", str(a + b)
 
+    def exact_prompts(self) -> list[Prompt]:
+        """Every instance, ``"0+0="`` to ``"9+9="`` for one digit (100; 10,000 for two), held-out ones
+        included, in a fixed order with ``uid`` = its index: what the exact metric averages over."""
+        hi = 10**self.num_digits
+        if hi * hi > EXACT_LIMIT:
+            raise ValueError(
+                f"{self.num_digits}-digit addition has {hi * hi} prompts, more than the exact metric "
+                f"enumerates ({EXACT_LIMIT}); use num_digits <= 2"
+            )
+        return [Prompt(f"{a}+{b}=", str(a + b), uid=a * hi + b) for a in range(hi) for b in range(hi)]
+
 
 class CountingTask(_Synthetic):
     """``"count a: abcab"`` -> ``"2"``: how often a letter occurs in a short string."""
 
-    def __init__(self, num_digits: int = 2):
-        super().__init__("counting", num_digits)
+    def __init__(self, num_digits: int = 2, heldout_fraction: float = 0.1):
+        super().__init__("counting", num_digits, heldout_fraction=heldout_fraction)
 
     def _instance(self, rng: random.Random) -> tuple[str, str]:
         letters = "abcd"
@@ -92,8 +112,8 @@ class CountingTask(_Synthetic):
 class SortingTask(_Synthetic):
     """``"sort 3 1 2="`` -> ``"1 2 3"``: sort a few single-digit numbers."""
 
-    def __init__(self, num_digits: int = 2):
-        super().__init__("sorting", num_digits)
+    def __init__(self, num_digits: int = 2, heldout_fraction: float = 0.1):
+        super().__init__("sorting", num_digits, heldout_fraction=heldout_fraction)
 
     def _instance(self, rng: random.Random) -> tuple[str, str]:
         xs = [rng.randint(0, 9) for _ in range(2 + self.num_digits)]

@@ -1,9 +1,10 @@
 """Stress emulation of the rollout copy (the study's "truncated FP8"), harsher than any production FP8
-recipe: rounding toward zero, fewer mantissa bits, quantized MoE routers. Fake-quant only."""
+recipe: rounding toward zero, fewer mantissa bits, quantized MoE routers and, on request, the output
+projection (``lm_head``, or the embedding table a tied model uses as its lm_head). Fake-quant only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -101,14 +102,17 @@ def fake_quantize_named_stress(
     mantissa_bits: int = 3,
     *,
     quantize_router: bool = False,
+    also: Collection[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Fake-quant stream for the stress setting: what :func:`quantize_named_tensors` does in ``fake``
     mode, with ``rounding`` / ``mantissa_bits`` and, with ``quantize_router``, the MoE router weights
-    quantized too, so near-tie expert choices flip between trainer and rollout. Lazy, one tensor at
-    a time."""
+    quantized too, so near-tie expert choices flip between trainer and rollout. ``also``: names of
+    further 2-D weights to quantize the same way, which FP8 recipes keep in bf16 (the stress's
+    ``lm_head``: every logit then carries the rounding). Lazy, one tensor at a time."""
+    extra = set(also)
     for name, t in named_tensors:
         router = quantize_router and t.dim() == 2 and is_router(name)
-        if router or should_quantize(name, t, scheme):
+        if router or (name in extra and t.dim() == 2) or should_quantize(name, t, scheme):
             yield name, fake_quantize_stress(t, scheme, rounding, mantissa_bits)
         else:
             yield name, t

@@ -1,5 +1,5 @@
 """Stress emulation of the rollout copy (the study's "truncated FP8"): rounding toward zero, fewer
-mantissa bits, quantized MoE routers. Checked against an exhaustive table of e4m3 codes."""
+mantissa bits, quantized MoE routers and lm_head. Checked against an exhaustive table of e4m3 codes."""
 
 from __future__ import annotations
 
@@ -78,3 +78,16 @@ def test_named_stream_quantizes_routers_only_when_asked():
     assert torch.equal(plain[gate], src[gate]) and not torch.equal(routed[gate], src[gate])
     assert torch.equal(plain[proj], routed[proj]) and not torch.equal(plain[proj], src[proj])
     assert torch.equal(plain[norm], src[norm]) and torch.equal(routed[norm], src[norm])
+
+
+def test_named_stream_quantizes_the_lm_head_when_asked():
+    """``also`` names weights FP8 recipes keep in bf16 (the study's lm_head, or the embedding table
+    a tied model uses as its lm_head): quantized like the projections, the rest untouched."""
+    emb, head, proj = "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"
+    tensors = [(n, torch.randn(32, 64, dtype=torch.bfloat16)) for n in (emb, head, proj)]
+    scheme, src = Fp8Scheme("per_tensor"), dict(tensors)
+    plain = dict(fake_quantize_named_stress(tensors, scheme, "toward_zero", 1))
+    headed = dict(fake_quantize_named_stress(tensors, scheme, "toward_zero", 1, also=[head]))
+    assert torch.equal(plain[head], src[head]) and torch.equal(plain[emb], src[emb])
+    assert torch.equal(headed[head], fake_quantize_stress(src[head], scheme, "toward_zero", 1))
+    assert torch.equal(headed[emb], src[emb]) and torch.equal(headed[proj], plain[proj])
