@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -70,6 +71,7 @@ def layout_config(name: str, args: argparse.Namespace, url: str, path: str) -> A
         parallel=ParallelConfig(pp=spec["pp"], ep=spec["ep"]),
         rollout=RolloutConfig(
             server_urls=(url,),
+            api_key_env=KEY_ENV,
             weight_sync=path,  # type: ignore[arg-type]
             bucket_size_mb=args.bucket_mb,
             request_timeout_s=300.0,
@@ -196,6 +198,18 @@ def report_layout(name: str, res: dict[str, Any], reps: int) -> tuple[float, flo
     return share, t1 / t0
 
 
+KEY_ENV = "ACRL_BENCH_LAYOUTS_KEY"
+"""Where the layout workers find the key of the benchmark's servers (``rollout.api_key_env``)."""
+
+
+def layouts_key() -> str:
+    """The benchmark's server key: made once per process and exported, so the torchrun workers
+    inherit it in their environment (never on a command line)."""
+    if not os.environ.get(KEY_ENV):
+        os.environ[KEY_ENV] = secrets.token_urlsafe(16)
+    return os.environ[KEY_ENV]
+
+
 def start_layout_servers(
     names: list[str], args: argparse.Namespace, work: Path, stack: Any
 ) -> dict[bool, tuple[str, str]]:
@@ -206,7 +220,7 @@ def start_layout_servers(
     out = {}
     for moe in sorted({LAYOUTS[n]["moe"] for n in names}):
         ckpt = build_checkpoint(model_config(args, moe), cache_dir=work / "models")
-        spec = ServerSpec(model_path=str(ckpt), device="cpu")
+        spec = ServerSpec(model_path=str(ckpt), device="cpu", api_key=layouts_key())
         srv = stack.enter_context(
             SGLangServer(
                 spec, work / f"sglang-layouts-{'moe' if moe else 'dense'}.log", startup_timeout_s=900

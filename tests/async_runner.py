@@ -33,6 +33,7 @@ from megatron_acrl.batch import load_rollouts
 from megatron_acrl.config import load_config
 from megatron_acrl.staleness import parse_version
 from megatron_acrl.train import parse_args, run
+from sglang_bridge.transport import auth_headers
 
 
 def _after_train_step(ctx, k: int, action) -> None:
@@ -65,7 +66,7 @@ def _record_weights(ctx, directory: Path) -> None:
     ctx.servers.update_weights = recording
 
 
-def _score(url: str, prompt: list[int], output: list[int]) -> list[float]:
+def _score(url: str, key: str, prompt: list[int], output: list[int]) -> list[float]:
     """Prefill log-probs of ``output`` after ``prompt`` under the server's current weights."""
     body = {
         "input_ids": prompt + output,
@@ -73,7 +74,7 @@ def _score(url: str, prompt: list[int], output: list[int]) -> list[float]:
         "return_logprob": True,
         "logprob_start_len": len(prompt) - 1,  # the entry at the start position has no log-prob
     }
-    mi = httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"]
+    mi = httpx.post(url + "/generate", json=body, headers=auth_headers(key), timeout=300).json()["meta_info"]
     return [x[0] for x in mi["input_token_logprobs"]][1 : len(output) + 1]
 
 
@@ -108,7 +109,7 @@ def _score_segments(ctx, spec: dict) -> None:
             for prompt, output, lps, tv in rows:
                 if v not in tv:
                     continue
-                got = _score(url, prompt, output)
+                got = _score(url, ctx.servers.api_key, prompt, output)
                 diffs += [abs(g - lp) for g, lp, t in zip(got, lps, tv, strict=True) if t == v]
             out[f"{v}@{scored_as}"] = {"n": len(diffs), "max": max(diffs), "mean": sum(diffs) / len(diffs)}
     Path(spec["out"]).write_text(json.dumps(out, indent=1))

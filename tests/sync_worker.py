@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import re
 import tempfile
 import warnings
@@ -42,6 +43,8 @@ PROMPTS = [
     [1, 2, 3],
 ]
 NEW_TOKENS = 8
+KEY_ENV = "ACRL_TEST_SYNC_KEY"
+"""Where the ranks find the key of the test's servers (``rollout.api_key_env``)."""
 
 
 def case_config(case: dict[str, Any], url: str) -> Any:
@@ -51,6 +54,7 @@ def case_config(case: dict[str, Any], url: str) -> Any:
     data["model"].update(case.get("model", {}))
     data["rollout"].update(
         server_urls=[url],
+        api_key_env=KEY_ENV,
         quantization="fp8_block" if case.get("fp8") else "none",
         fp8_block_size=[32, 32],
         weight_sync=case.get("weight_sync", "per_source"),
@@ -78,7 +82,7 @@ def _samples(url: str, temperature: float) -> list[Any]:
     from sglang_bridge.weight_sync.verify import verify_params
 
     async def go() -> list[Any]:
-        async with SGLangClient(url) as c:
+        async with SGLangClient(url, api_key=os.environ[KEY_ENV]) as c:
             return [g[0] for g in await c.generate(PROMPTS, verify_params(NEW_TOKENS, temperature))]
 
     return asyncio.run(go())

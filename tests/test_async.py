@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,8 @@ BASE = [
     "logging.wandb_mode=disabled",
 ]
 K2_STEPS, LAG_STEPS, KILL_STEPS = 6, 3, 4
+KEY_ENV = "ACRL_TEST_ASYNC_KEY"
+"""Where the runs on the fixture's keyed server find its key (``rollout.api_key_env``)."""
 GROUPS = 4  # prompts per step
 
 
@@ -54,8 +57,10 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     cfg = load_config(CONFIG, BASE)
     ckpt = build_checkpoint(cfg.model, seed=cfg.training.seed)  # what the runs serve first
-    with SGLangServer(ServerSpec(model_path=str(ckpt), device="cpu"), tmp / "shared.log") as server:
-        shared = [f"rollout.server_urls=[{server.url}]"]
+    key = secrets.token_urlsafe(16)
+    server_spec = ServerSpec(model_path=str(ckpt), device="cpu", api_key=key)
+    with SGLangServer(server_spec, tmp / "shared.log") as server:
+        shared = [f"rollout.server_urls=[{server.url}]", f"rollout.api_key_env={KEY_ENV}"]
         k2 = [
             *BASE,
             *shared,
@@ -103,7 +108,7 @@ def runs(tmp_path_factory):
         ]
         path = tmp / "spec.json"
         path.write_text(json.dumps(spec))
-        env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", KEY_ENV: key}
         res = subprocess.run(
             [sys.executable, str(ROOT / "tests" / "async_runner.py"), str(path)],
             cwd=tmp,

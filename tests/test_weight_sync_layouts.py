@@ -14,6 +14,7 @@ sync naming it, and the driver's retry (a new synchronizer) recovers.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict]]:
     models = {k: mw.make_config(k, {}).model for k in TOL}
     models["big"] = dataclasses.replace(models["qwen3"], **BIG)
     ckpts = {k: build_checkpoint(m, seed=0, cache_dir=tmp / "models") for k, m in models.items()}
-    specs = [ServerSpec(model_path=str(c), device="cpu") for c in ckpts.values()]
+    key = secrets.token_urlsafe(16)
+    specs = [ServerSpec(model_path=str(c), device="cpu", api_key=key) for c in ckpts.values()]
     with (
         ServerGroup(specs, log_dir=tmp / "logs", startup_timeout_s=600) as group,
         pytest.MonkeyPatch.context() as mp,
@@ -77,6 +79,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict]]:
         # Every allocation of 64 KiB or more its own mapping, unmapped when freed: the ranks' peak
         # resident size then follows the tensors alive, not what the heap kept from before.
         mp.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+        mp.setenv("ACRL_TEST_SYNC_KEY", key)  # sync_worker.KEY_ENV: the ranks' key of the servers
         servers = {k: (s.url, str(ckpts[k])) for k, s in zip(ckpts, group.servers, strict=True)}
         yield launch("layouts", 4, {"servers": servers, "cases": CASES}, timeout=1700, worker=WORKER)
 
