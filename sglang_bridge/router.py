@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_bridge.server import _preexec, free_port, register_child, unregister_child
+from sglang_bridge.server import ChildProcess, _preexec, free_port, register_child, unregister_child
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class RouterSpec:
         )
 
 
-class SGLangRouter:
+class SGLangRouter(ChildProcess):
     """One sglang-router child process; a context manager that starts it and always stops it."""
 
     PORT_RETRIES = 3
@@ -219,22 +219,6 @@ class SGLangRouter:
             with contextlib.suppress(Exception):
                 self._log_file.close()
             self._log_file = None
-
-    def log_tail(self, n_lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n_lines:])
-        except OSError:
-            return "(no log)"
-
-    def __enter__(self) -> SGLangRouter:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- workers ----------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 10.0) -> Any:

@@ -47,7 +47,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from sglang_bridge.cpu_compat import HOOKS_ENV
 from sglang_bridge.listeners import WILDCARDS, port_holder, port_is_free
@@ -235,7 +235,40 @@ def _preexec(die_with_parent: bool, cpus: tuple[int, ...] | None) -> Callable[[]
     return run
 
 
-class SGLangServer:
+class ChildProcess:
+    """What the bridge's child processes (a server, the router) share: the tail of their log for
+    error messages, and a context that starts the child and always stops it."""
+
+    log_path: Path
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def log_tail(self, n_lines: int = 40) -> str:
+        """Last ``n_lines`` of the child's log (read from its last 16 KiB)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SGLangServer(ChildProcess):
     """One SGLang server child process; a context manager that starts it and always stops it."""
 
     def __init__(
@@ -446,26 +479,6 @@ class SGLangServer:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, sig)  # start_new_session: pgid == pid
-
-    def log_tail(self, n_lines: int = 40) -> str:
-        """Last ``n_lines`` of the server log."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
-                return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
-        except OSError:
-            return "(no log)"
-
-    def __enter__(self) -> SGLangServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"SGLangServer({self.name}, pid={self.pid}, model={self.spec.model_path})"

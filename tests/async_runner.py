@@ -18,21 +18,17 @@ Each run's final driver state is written to ``<run_dir>/state.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
+import e2e_runner  # this directory is on sys.path: the runner is run as a script from it
 import httpx
 import torch
-from megatron.core import parallel_state
 
 from megatron_acrl.batch import load_rollouts
-from megatron_acrl.config import load_config
 from megatron_acrl.staleness import parse_version
-from megatron_acrl.train import parse_args, run
 from sglang_bridge.transport import auth_headers
 
 
@@ -139,14 +135,7 @@ def prepare_for(hooks: dict):
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
-    for item in spec:
-        cfg = load_config(item["config"], item.get("overrides", []))
-        args = parse_args(["--config", item["config"], *item.get("args", [])])
-        state = run(cfg, args, prepare=prepare_for(item.get("hooks", {})))
-        with open(f"{args.run_dir}/state.json", "w") as f:
-            json.dump(dataclasses.asdict(state), f)
-        parallel_state.destroy_model_parallel()
+    e2e_runner.main(prepare_for, key="hooks")  # the same loop over the spec, with these hooks
 
 
 if __name__ == "__main__":

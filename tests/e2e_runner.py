@@ -74,12 +74,14 @@ def inject(faults: dict):
     return prepare
 
 
-def main() -> None:
+def main(prepare_for=None, key: str = "faults") -> None:
+    """Run every item of the JSON spec at ``argv[1]`` in this process, each prepared by
+    ``prepare_for(item[key])`` (this runner's fault injection by default), and write its state."""
     spec = json.loads(open(sys.argv[1]).read())
     for item in spec:
         cfg = load_config(item["config"], item.get("overrides", []))
         args = parse_args(["--config", item["config"], *item.get("args", [])])
-        state = run(cfg, args, prepare=inject(item.get("faults", {})))
+        state = run(cfg, args, prepare=(prepare_for or inject)(item.get(key, {})))
         with open(f"{args.run_dir}/state.json", "w") as f:
             json.dump(dataclasses.asdict(state), f)
         parallel_state.destroy_model_parallel()
