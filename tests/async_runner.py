@@ -49,7 +49,7 @@ def _record_weights(ctx, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     update = ctx.servers.update_weights
 
-    def recording(named_tensors, version, *, quantize=True):
+    def recording(named_tensors, version, *, quantize=True, meta=None):
         weights = [(n, t.detach().clone()) for n, t in named_tensors]
         try:
             v = parse_version(version)
@@ -57,7 +57,7 @@ def _record_weights(ctx, directory: Path) -> None:
             v = None
         if v is not None:
             torch.save(dict(weights), directory / f"{v}.pt")
-        return update(weights, version, quantize=quantize)
+        return update(weights, version, quantize=quantize, meta=meta)
 
     ctx.servers.update_weights = recording
 
