@@ -70,7 +70,8 @@ def test_checkpoint_loads_under_another_layout(ranks, group):
             # The next step (Adam's second, bias corrections included) matches the saving layout's:
             # the optimizer state was resharded too (a fresh optimizer moves every weight differently).
             for key, value in res["m2"].items():
-                if not key.startswith("time"):
+                # time and perf (micro-batches per DP rank, its token balance) describe the layout
+                if not key.startswith("time") and "perf/" not in key:
                     assert _close(got["m2"][key], value), (rank, i, key, got["m2"][key], value)
             for name, after in res["after2"].items():
                 delta_ref = after - res["saved"][name]
