@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ from sglang_bridge.server import (
     answers_anonymous,
     wait_for_servers,
 )
+from sglang_bridge.server_key import new_api_key
 from sglang_bridge.weight_sync import ControlStore, DistributedWeightSynchronizer, Manifest
 
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
@@ -80,11 +80,15 @@ def run_api_key(cfg: Config) -> str:
     random one made now (a run always keys its servers, on loopback too)."""
     env = cfg.rollout.api_key_env
     if env is None:
-        return secrets.token_urlsafe(32)
+        return new_api_key()
     key = os.environ.get(env, "")
     if not key:
         raise ConfigError(
             [("rollout.api_key_env", f"names {env}, which is not set; export the servers' key in it")]
+        )
+    if key.startswith("-"):  # SGLang would read it as an option (sglang_bridge.server_key.new_api_key)
+        raise ConfigError(
+            [("rollout.api_key_env", f"the key in {env} begins with '-'; use one that does not")]
         )
     return key
 

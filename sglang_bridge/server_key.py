@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -34,6 +35,13 @@ def _private_tmp_root() -> str | None:
     """Where key files go: ``/dev/shm`` (memory) when this process may write there, else the default."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+def new_api_key() -> str:
+    """A random server key. It never begins with ``-``: SGLang turns its ``--config`` file into
+    ``--api-key <value>`` arguments, and a value that begins with ``-`` is read as an option (the
+    server then exits with "argument --api-key: expected one argument")."""
+    return "k" + secrets.token_urlsafe(32)
 
 
 class KeyFile:

@@ -91,6 +91,11 @@ class ServerSpec:
     """Further environment variables of the server process."""
 
     def __post_init__(self) -> None:
+        if self.api_key and self.api_key.startswith("-"):
+            raise ValueError(
+                "ServerSpec.api_key begins with '-': SGLang reads it from its --config file as an "
+                "argument and takes it for an option; choose a key that does not begin with '-'"
+            )
         if not self.api_key and not is_loopback(self.host):
             raise ValueError(
                 f"ServerSpec.host={self.host!r} without api_key: a server reachable beyond loopback "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from megatron_acrl.config import load_config
 from megatron_acrl.logging import read_jsonl_metrics
 from megatron_acrl.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerSpec, SGLangServer
+from sglang_bridge.server_key import new_api_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
     cfg = load_config(CONFIG, BASE)
     ckpt = build_checkpoint(cfg.model, seed=cfg.training.seed)  # what the runs serve first
-    key = secrets.token_urlsafe(16)
+    key = new_api_key()
     server_spec = ServerSpec(model_path=str(ckpt), device="cpu", api_key=key)
     with SGLangServer(server_spec, tmp / "shared.log") as server:
         shared = [f"rollout.server_urls=[{server.url}]", f"rollout.api_key_env={KEY_ENV}"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.rollout_servers import RolloutServers, run_api_key
 from sglang_bridge.listeners import port_holder
 from sglang_bridge.server import ServersNotReady, free_port, probe
+from sglang_bridge.server_key import new_api_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
@@ -121,7 +121,7 @@ exec_server([sys.executable, "-c", child, str(path)], {"PATH": "/usr/bin:/bin"},
 
 
 def test_a_job_server_task_logs_through_the_key_filter_and_leaves_no_key_file() -> None:
-    key = secrets.token_urlsafe(32)
+    key = new_api_key()
     out = subprocess.run(
         [sys.executable, "-c", COMPANION, key], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
@@ -220,7 +220,7 @@ ATTACKS = [
 
 
 def test_a_run_owns_its_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = secrets.token_urlsafe(32)
+    key = new_api_key()
     monkeypatch.setenv(KEY_ENV, key)  # named, so the test can look for it; the second run gets it too
     port = free_port()
     first, second = tmp_path / "first", tmp_path / "second"
@@ -262,7 +262,7 @@ def test_a_run_owns_its_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_dry_run_never_shows_the_key(tmp_path: Path) -> None:
-    key = secrets.token_urlsafe(32)
+    key = new_api_key()
     res = subprocess.run(
         [sys.executable, "-m", "launch.submit", CONFIG, "--nodes", "2", "--ranks-per-node", "1",
          "--server-nodes", "1", "--servers-per-node", "1", "--output-dir", str(tmp_path), "--dry-run",

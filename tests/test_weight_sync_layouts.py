@@ -14,7 +14,6 @@ sync naming it, and the driver's retry (a new synchronizer) recovers.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from dist_launch import launch
 
 from megatron_acrl.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerGroup, ServerSpec
+from sglang_bridge.server_key import new_api_key
 
 # One 4-rank launch of every layout (about 25 minutes on a loaded 2-core machine): slow tier. The
 # default tier proves the per-source sync at the bridge (tests/bridge/test_weight_sync_sources.py)
@@ -75,7 +75,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict]]:
     models = {k: mw.make_config(k, {}).model for k in TOL}
     models["big"] = dataclasses.replace(models["qwen3"], **BIG)
     ckpts = {k: build_checkpoint(m, seed=0, cache_dir=tmp / "models") for k, m in models.items()}
-    key = secrets.token_urlsafe(16)
+    key = new_api_key()
     specs = [ServerSpec(model_path=str(c), device="cpu", api_key=key) for c in ckpts.values()]
     with (
         ServerGroup(specs, log_dir=tmp / "logs", startup_timeout_s=600) as group,

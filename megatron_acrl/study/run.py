@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 from megatron_acrl.config import Config
 from megatron_acrl.signals import Interrupted, StopSignals
 from megatron_acrl.study.grid import Grid, grid_groups
+from sglang_bridge.server_key import new_api_key
 
 
 class StudyStopped(Exception):
@@ -213,7 +213,7 @@ def run_grid(
     retried: set[tuple[str, int]] = set()
     failed: list[tuple[str, int]] = []
     while todo:
-        key = secrets.token_urlsafe(32)  # one per set of shared servers
+        key = new_api_key()  # one per set of shared servers
         with shared_servers(grid, out, key, tag) as servers:
             while todo:
                 arm, seed = todo[0]

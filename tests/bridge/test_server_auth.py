@@ -19,7 +19,7 @@ from security_helpers import cmdlines_holding, environs_holding, not_on_loopback
 
 from sglang_bridge.listeners import BoundTCPStore, address_towards, bind_address, is_loopback, port_holder
 from sglang_bridge.server import PortInUse, ServerSpec, SGLangServer, answers_anonymous, probe
-from sglang_bridge.server_key import REDACTED, KeyFile, Redactor
+from sglang_bridge.server_key import REDACTED, KeyFile, Redactor, new_api_key
 
 # ---- pieces, no server ---------------------------------------------------------------------------
 
@@ -37,7 +37,7 @@ def test_redactor_hides_a_secret_split_at_every_boundary() -> None:
     assert Redactor([""]).feed(b"plain") == b"plain"
 
 
-@pytest.mark.parametrize("key", [secrets.token_urlsafe(32), "true", "1e3", "a: b # c", "ключ"])
+@pytest.mark.parametrize("key", [new_api_key(), "true", "1e3", "a: b # c", "ключ"])
 def test_key_file_is_private_and_reads_back_as_the_exact_key(key: str) -> None:
     kf = KeyFile(key)
     path = kf.write()
@@ -163,3 +163,11 @@ def test_a_second_server_on_its_port_is_refused_naming_it(keyed: SGLangServer, t
         other.launch()
     assert err.value.port == keyed.port and other.pid is None  # nothing was started
     assert probe(keyed.url, KEY)[0]  # and the first one is undisturbed
+
+
+def test_a_key_that_begins_with_a_dash_is_refused_and_none_is_made():
+    """SGLang turns its --config file into arguments, so a key "-x..." would read as an option (a
+    server exited with "argument --api-key: expected one argument" when a random key began so)."""
+    with pytest.raises(ValueError, match="begins with '-'"):
+        ServerSpec(model_path="m", api_key="-leading")
+    assert not any(new_api_key().startswith("-") for _ in range(2000))
