@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -205,8 +204,10 @@ KEY_ENV = "ACRL_BENCH_LAYOUTS_KEY"
 def layouts_key() -> str:
     """The benchmark's server key: made once per process and exported, so the torchrun workers
     inherit it in their environment (never on a command line)."""
+    from sglang_bridge.server_key import new_api_key
+
     if not os.environ.get(KEY_ENV):
-        os.environ[KEY_ENV] = secrets.token_urlsafe(16)
+        os.environ[KEY_ENV] = new_api_key()
     return os.environ[KEY_ENV]
 
 

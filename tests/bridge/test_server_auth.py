@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import secrets
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -50,7 +49,7 @@ def test_key_file_is_private_and_reads_back_as_the_exact_key(key: str) -> None:
 
 
 def test_spec_puts_the_key_in_its_file_only_and_refuses_an_unkeyed_open_bind() -> None:
-    key = secrets.token_urlsafe(32)
+    key = new_api_key()
     os.environ["ACRL_TEST_SPEC_KEY"] = key
     try:
         spec = ServerSpec(model_path="m", api_key=key)
@@ -79,7 +78,7 @@ def test_bound_store_listens_on_its_address_only() -> None:
 
 # ---- one keyed server ---------------------------------------------------------------------------
 
-KEY = secrets.token_urlsafe(32)
+KEY = new_api_key()
 
 
 @pytest.fixture(scope="module")
