@@ -359,6 +359,22 @@ def test_exact_verdicts_state_each_outcome():
     assert "one common seed" in verdicts.beats(arm("a", [0.9]), arm("n", [0.1]))[1]
 
 
+def test_verdicts_name_the_missing_arm():
+    """With TIS finished but no ACRL arm, verdicts 2-4 say the ACRL arm is missing (not TIS)."""
+    from megatron_acrl.study.exact import ExactArm
+    from megatron_acrl.study.exact_report import grid_verdicts
+
+    def arm(name: str, j: list[float]) -> ExactArm:
+        nan = [float("nan")] * 2
+        return ExactArm(name, [1, 2], [False] * 2, j, j, nan, nan, nan, j, nan, nan, nan, nan,
+                        [0] * 2, nan, nan)  # fmt: skip
+
+    grid = load_grid(ROOT / "configs" / "study" / "stress_lag.yaml")
+    arms = [arm("sl_bf16", [0.7, 0.6]), arm("sl_none", [0.0, 0.1]), arm("sl_tis", [0.6, 0.7])]
+    lines = grid_verdicts(grid, arms)
+    assert [line.endswith("no ACRL arm finished a run") for line in lines[1:]] == [True, True, True]
+
+
 def test_pilot_check_reads_a_collapse_on_the_k3_peak():
     """A collapsed uncorrected pilot: k3 rose 1e-2 -> 1 and fell to 1e-3 with the dead policy; the strict
     clause says not rising, the peak reading goes; a peak of only 5x does not."""

@@ -125,7 +125,9 @@ def grid_verdicts(grid: Grid, arms: list[ExactArm]) -> list[str]:
         start=2,
     ):
         if ref not in by or not acrls:
-            lines.append(f"{n}. **{title}: no {ref if ref in ('tis',) else 'ACRL'} arm finished a run")
+            # Name the arm that is missing: the ACRL arms first (every verdict needs one), else ref.
+            missing = "ACRL" if not acrls else ref
+            lines.append(f"{n}. **{title}: no {missing} arm finished a run")
             continue
         parts = [f"`{a.arm}`: {fn(a, by[ref])[1]}" for a in acrls]
         lines.append(f"{n}. **{title}:\n   - " + "\n   - ".join(parts))
