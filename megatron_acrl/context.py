@@ -153,7 +153,8 @@ class RunContext:
             self.weight_source = None
 
 
-def _run_dir(cfg: Config, args: argparse.Namespace) -> Path:
+def run_directory(cfg: Config, args: argparse.Namespace) -> Path:
+    """``--run-dir``, else ``runs/<logging.run_name>`` (or a name made of the task, method and seed)."""
     if args.run_dir:
         return Path(args.run_dir)
     name = cfg.logging.run_name or f"{cfg.task.name}-{cfg.correction.method}-s{cfg.training.seed}"
@@ -227,7 +228,7 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
     from transformers import AutoTokenizer
 
     rank, world = init_distributed(cfg)
-    run_dir = _run_dir(cfg, args)
+    run_dir = run_directory(cfg, args)
     if rank == 0 and not args.load_rollouts:
         from megatron_acrl.rollout_servers import check_ports
 

@@ -31,6 +31,7 @@ from megatron_acrl.config import Config, ConfigError, config_to_dict, load_confi
 from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.producer import Producer, make_producer
 from megatron_acrl.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
 from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
@@ -159,6 +160,7 @@ def run(
     # Everything the run writes (run directory, logs, checkpoints, W&B files, its servers' logs) is
     # its owner's alone, whatever the umask it was started with; the entry point owns the umask.
     os.umask(0o077)
+    cfg = resolve_checkpoint_dir(cfg, args)  # a relative one lives in the run directory
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args)
         try:
@@ -187,10 +189,11 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_checkpoint_dir(load_config(args.config, args.overrides), args)
         cfg.check_paths()
         if args.load_rollouts and cfg.rollout.mode == "async":
             raise ConfigError([("rollout.mode", "--load-rollouts replays recorded batches: set mode sync")])
+        preflight(cfg, args)  # the data, tokens, directories, servers' needs: before anything starts
         check_resume(cfg)  # a checkpoint this config cannot continue exactly
     except ConfigError as err:
         print(err, file=sys.stderr)
