@@ -906,7 +906,13 @@ class TrainingConfig(_Section):
     """Save every N steps (and on SIGTERM); 0 saves only at the end and on SIGTERM."""
 
     resume: bool = True
-    """Resume from the latest checkpoint in checkpoint_dir if one exists."""
+    """Resume from the newest intact checkpoint in checkpoint_dir if one exists. false in a directory
+    that holds checkpoints is refused (a fresh run would overwrite them): use a new checkpoint_dir."""
+
+    resume_allow_changes: tuple[str, ...] = ()
+    """Keys (dotted, e.g. task.data_path) a resume may change although they change the model or the
+    data (model.*, task.*, training.seed, algorithm.name): a resume whose config differs from the
+    checkpoint's in any other such key is refused, naming them."""
 
     eval_interval: int = 0
     """Evaluate on the held-out split every N steps; 0 disables."""
