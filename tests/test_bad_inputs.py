@@ -124,6 +124,18 @@ CASES: list[tuple[str, Setup, str, str]] = [
     ),
     ("run_dir_is_file", lambda t: (BASE, ["--run-dir", str(_file(t))]), "--run-dir", "is a file"),
     ("run_dir_not_writable", lambda t: (BASE, ["--run-dir", "/proc/acrl-run"]), "--run-dir", "not writable"),
+    (
+        "load_rollouts_missing",
+        lambda t: (BASE, ["--load-rollouts", str(t / "none")]),
+        "--load-rollouts",
+        "no directory",
+    ),
+    (
+        "save_rollouts_is_file",
+        lambda t: (BASE, ["--save-rollouts", str(_file(t))]),
+        "--save-rollouts",
+        "is a file",
+    ),
     # -- rollout
     (
         "request_timeout_zero",
