@@ -144,8 +144,12 @@ def _check_tokens(cfg: Config, task: Task | None) -> Errors:
     """The tokenizer fits the embedding table, and every prompt fits ``rollout.max_prompt_len``."""
     try:
         tok, where = load_tokenizer(cfg)
-    except (ValueError, OSError) as err:
-        return [("model.vocab_size" if "vocab_size" in str(err) else "model.tokenizer_path", str(err))]
+    except ValueError as err:  # the tiny tokenizer: bytes + special tokens do not fit the vocab
+        return [
+            ("model.vocab_size", f"the tiny local tokenizer cannot be built: {err}; raise model.vocab_size")
+        ]
+    except OSError as err:
+        return [("model.tokenizer_path", f"no tokenizer could be loaded: {err}")]
     errors: Errors = []
     if len(tok) > cfg.model.vocab_size:
         errors.append(
