@@ -26,13 +26,14 @@ import itertools
 import netrc
 import os
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from megatron_acrl.config import Config, ConfigError
-from megatron_acrl.context import run_directory
+from megatron_acrl.context import resolve_checkpoint_dir, run_directory
 from megatron_acrl.tasks import Task, make_task
+
+__all__ = ["check_directories", "check_servers", "check_wandb", "preflight", "resolve_checkpoint_dir"]
 
 Errors = list[tuple[str, str]]
 
@@ -53,17 +54,6 @@ def preflight(cfg: Config, args: argparse.Namespace) -> None:
     errors += check_wandb(cfg)
     if errors:
         raise ConfigError(errors)
-
-
-def resolve_checkpoint_dir(cfg: Config, args: argparse.Namespace) -> Config:
-    """``cfg`` with a relative ``training.checkpoint_dir`` made absolute under the run directory (not
-    the working directory): two runs started from one directory with different ``--run-dir`` never
-    share (or resume) each other's checkpoints. An absolute one is kept; idempotent."""
-    ckpt = cfg.training.checkpoint_dir
-    if not ckpt or Path(ckpt).is_absolute():
-        return cfg
-    resolved = (run_directory(cfg, args) / ckpt).absolute()
-    return replace(cfg, training=replace(cfg.training, checkpoint_dir=str(resolved)))
 
 
 # -- directories ---------------------------------------------------------------------------------

@@ -161,7 +161,6 @@ def run(
     # Everything the run writes (run directory, logs, checkpoints, W&B files, its servers' logs) is
     # its owner's alone, whatever the umask it was started with; the entry point owns the umask.
     os.umask(0o077)
-    cfg = resolve_checkpoint_dir(cfg, args)  # a relative one lives in the run directory
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args)
         try:
