@@ -474,6 +474,20 @@ class RolloutConfig(_Section):
         ):
             _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         self._validate_async(e)
+        for name in ("request_timeout_s", "startup_timeout_s"):
+            _check(
+                e,
+                getattr(self, name) > 0,
+                name,
+                f"must be > 0 seconds, got {getattr(self, name)} (a timeout of 0 fails every request)",
+            )
+        _check(
+            e,
+            not (self.fp8_mode == "real" and self.device == "cpu" and self.quantization != "none"),
+            "fp8_mode",
+            "real FP8 needs a cuda server, but rollout.device is cpu (SGLang serves FP8 on CPU only with "
+            "Intel AMX kernels); use fp8_mode auto or fake (FP8-rounded bf16), or rollout.device=cuda",
+        )
         _check(e, self.bucket_size_mb > 0, "bucket_size_mb", f"must be > 0, got {self.bucket_size_mb}")
         _check(e, self.temperature > 0, "temperature", "must be > 0 (use a small value for near-greedy)")
         _check(e, 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -892,7 +906,13 @@ class TrainingConfig(_Section):
     """Save every N steps (and on SIGTERM); 0 saves only at the end and on SIGTERM."""
 
     resume: bool = True
-    """Resume from the latest checkpoint in checkpoint_dir if one exists."""
+    """Resume from the newest intact checkpoint in checkpoint_dir if one exists. false in a directory
+    that holds checkpoints is refused (a fresh run would overwrite them): use a new checkpoint_dir."""
+
+    resume_allow_changes: tuple[str, ...] = ()
+    """Keys (dotted, e.g. task.data_path) a resume may change although they change the model or the
+    data (model.*, task.*, training.seed, algorithm.name): a resume whose config differs from the
+    checkpoint's in any other such key is refused, naming them."""
 
     eval_interval: int = 0
     """Evaluate on the held-out split every N steps; 0 disables."""
@@ -1402,6 +1422,47 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, int, int]]:
+    """Keys given twice in one mapping of the composed YAML ``node`` (a section or a field), as
+    (dotted path, line, first line), lines 1-based: plain YAML silently keeps the last one."""
+    found: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value in node.value:
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            dotted = f"{path}.{key}" if path else key
+            if key in seen:
+                found.append((dotted, line, seen[key]))
+            seen.setdefault(key, line)
+            found += _duplicate_keys(value, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{path}[{i}]")
+    return found
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML file ``p``, refusing a key given twice (ConfigError naming file:line and the key)."""
+    text = p.read_text()
+    try:
+        dups = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([("", f"{p} is not valid YAML: {err}")]) from None
+    if dups:
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"{p}:{line}: {key.rsplit('.', 1)[-1]!r} is given twice (first on line {first}); YAML "
+                    "would keep only the second and drop the first's keys: merge them into one entry",
+                )
+                for key, line, first in dups
+            ]
+        )
+    return data
+
+
 def config_from_dict(data: dict) -> Config:
     """Build and validate a :class:`Config` from a nested dict (as read from YAML)."""
     return _build(Config, data, "")
@@ -1414,10 +1475,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError([("", f"config file not found: {p} (pass a YAML file from configs/)")])
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError([("", f"{p} is not valid YAML: {err}")]) from None
+        data = _read_yaml(p) or {}
         if not isinstance(data, dict):
             raise ConfigError([("", f"{p} must hold a mapping of sections, got {type(data).__name__}")])
     data = _merge(data, parse_overrides(overrides or []))

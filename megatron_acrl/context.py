@@ -16,7 +16,7 @@ import itertools
 import os
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,11 +153,23 @@ class RunContext:
             self.weight_source = None
 
 
-def _run_dir(cfg: Config, args: argparse.Namespace) -> Path:
+def run_directory(cfg: Config, args: argparse.Namespace) -> Path:
+    """``--run-dir``, else ``runs/<logging.run_name>`` (or a name made of the task, method and seed)."""
     if args.run_dir:
         return Path(args.run_dir)
     name = cfg.logging.run_name or f"{cfg.task.name}-{cfg.correction.method}-s{cfg.training.seed}"
     return Path("runs") / name
+
+
+def resolve_checkpoint_dir(cfg: Config, args: argparse.Namespace) -> Config:
+    """``cfg`` with a relative ``training.checkpoint_dir`` made absolute under the run directory (not
+    the working directory): two runs started from one directory with different ``--run-dir`` never
+    share (or resume) each other's checkpoints. An absolute one is kept; idempotent."""
+    ckpt = cfg.training.checkpoint_dir
+    if not ckpt or Path(ckpt).is_absolute():
+        return cfg
+    resolved = (run_directory(cfg, args) / ckpt).absolute()
+    return replace(cfg, training=replace(cfg.training, checkpoint_dir=str(resolved)))
 
 
 def model_directory(cfg: Config, rank: int) -> Path:
@@ -226,8 +238,9 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
     """Build the run on every rank (see module doc)."""
     from transformers import AutoTokenizer
 
+    cfg = resolve_checkpoint_dir(cfg, args)  # a relative one lives in the run directory
     rank, world = init_distributed(cfg)
-    run_dir = _run_dir(cfg, args)
+    run_dir = run_directory(cfg, args)
     if rank == 0 and not args.load_rollouts:
         from megatron_acrl.rollout_servers import check_ports
 

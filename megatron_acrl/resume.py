@@ -9,9 +9,14 @@
 * ``served_weights.pt`` / ``.json`` -- with ``rollout.weight_lag_steps`` > 0, the lagged weight sets
   the servers serve from (:mod:`megatron_acrl.served_weights`), so a resume serves exactly them.
 
+* ``manifest.json`` -- size and CRC-32 of every file above (:mod:`megatron_acrl.megatron.step_manifest`).
+
 Written atomically (``megatron_acrl.megatron.checkpoint.save_step_atomically``): everything goes into
 ``.tmp-step_<n>/``, is fsynced, renamed to ``step_<n>/``, and only then ``latest.json`` is replaced;
-a crash at any point leaves the previous checkpoint as the one that resumes.
+a crash at any point leaves the previous checkpoint as the one that resumes. A resume loads the
+newest *intact* step (every file there, with its size and checksum), passing over and naming damaged
+newer ones (kept, never loaded or deleted); it refuses a fresh run (``training.resume: false``) where
+checkpoints are, and a resume whose config changes the model or the data (:data:`RESUME_KEYS`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.context import RunContext, prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
 from megatron_acrl.served_weights import ServedWeights, check_resumable
@@ -65,7 +70,12 @@ def save_checkpoint(ctx: RunContext, state: DriverState, served: ServedWeights |
 
     # Captured before anything is written, so the saved RNG states are the loop's, whatever the
     # savers do with the generators.
-    payload = {"driver": asdict(state), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+    payload = {
+        "driver": asdict(state),
+        "python_rng": random.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "config": config_to_dict(ctx.cfg),  # a resume that changes the model or the data is refused
+    }
 
     def write_driver(step_dir: Path) -> None:
         if ctx.rank == 0:
@@ -82,26 +92,56 @@ def save_checkpoint(ctx: RunContext, state: DriverState, served: ServedWeights |
     return path
 
 
-def resumable_step_dir(cfg: Config) -> Path | None:
-    """The step directory a run of ``cfg`` resumes from (None: it starts fresh)."""
+RESUME_KEYS = ("model.", "task.", "training.seed", "algorithm.name")
+"""Config keys (prefixes) that change the model or the data: a resume must not change them unless
+``training.resume_allow_changes`` names them."""
+
+
+def resumable_step_dir(cfg: Config, *, checksums: bool = True, report: bool = True) -> Path | None:
+    """The step directory a run of ``cfg`` resumes from: the newest intact committed step (None: it
+    starts fresh). A damaged newer step is passed over and named (log), never loaded; when every step
+    is damaged, a ConfigError names each damaged file and the fix. ``checksums=False`` checks
+    presence and sizes only (cheap: :func:`check_resume` on every rank before anything starts; the
+    load re-verifies every checksum on rank 0); ``report``: log the steps passed over."""
     t = cfg.training
-    if not (t.resume and t.checkpoint_dir and (Path(t.checkpoint_dir) / "latest.json").exists()):
+    if not (t.resume and t.checkpoint_dir and Path(t.checkpoint_dir).is_dir()):
         return None
-    from megatron_acrl.megatron.checkpoint import resolve_step_dir
+    from megatron_acrl.megatron.step_manifest import select_step_dir
 
-    return resolve_step_dir(t.checkpoint_dir)
+    sel = select_step_dir(t.checkpoint_dir, checksums=checksums)
+    if sel.step_dir is None and sel.passed_over:
+        raise ConfigError(
+            [
+                (
+                    "training.checkpoint_dir",
+                    f"{t.checkpoint_dir} holds no intact checkpoint: "
+                    + "; ".join(sel.passed_over)
+                    + ". They are kept as they are: restore the damaged files (from a backup), or start "
+                    "fresh in a new training.checkpoint_dir",
+                )
+            ]
+        )
+    if report and sel.passed_over:
+        for line in sel.passed_over:
+            log0(f"checkpoint passed over: {line}; kept, not loaded")
+        log0(f"resuming from the newest intact checkpoint, {sel.step_dir}")
+    return sel.step_dir
 
 
-def check_resume(cfg: Config) -> None:
-    """Before anything starts: refuse a resume this config cannot continue exactly (a weight lag
-    the checkpoint's stored weights cannot serve). A ConfigError names the field."""
-    step_dir = resumable_step_dir(cfg)
+def check_resume(cfg: Config, step_dir: Path | None = None) -> None:
+    """Before anything starts (and again on the step the load chose): refuse a fresh run in a
+    directory holding checkpoints, a resume with changed model or data keys, and a resume this config
+    cannot continue exactly (a weight lag the checkpoint's stored weights cannot serve, async
+    groups in sync mode). A ConfigError names the field and the fix."""
+    _refuse_overwrite(cfg)
+    step_dir = step_dir or resumable_step_dir(cfg, checksums=False, report=False)
     if step_dir is None:
         return
     check_resumable(cfg, step_dir, int(step_dir.name.rsplit("_", 1)[1]))  # step_<n> (or .trash-step_<n>)
     driver = step_dir / "driver.pt"
-    saved = torch.load(driver, weights_only=False)["driver"] if driver.exists() else {}
-    pending = (saved.get("producer") or {}).get("pending")
+    payload = torch.load(driver, weights_only=False) if driver.exists() else {}
+    _refuse_changes(cfg, step_dir, payload.get("config"))
+    pending = (payload.get("driver", {}).get("producer") or {}).get("pending")
     if pending and cfg.rollout.mode == "sync":
         raise ConfigError(
             [
@@ -115,15 +155,94 @@ def check_resume(cfg: Config) -> None:
         )
 
 
+def _refuse_overwrite(cfg: Config) -> None:
+    """``training.resume: false`` where checkpoints are: a fresh run would overwrite their steps and
+    repoint ``latest.json`` (another run's, or this one's earlier)."""
+    from megatron_acrl.megatron.step_manifest import has_checkpoints
+
+    t = cfg.training
+    if t.resume or not t.checkpoint_dir or not has_checkpoints(Path(t.checkpoint_dir)):
+        return
+    raise ConfigError(
+        [
+            (
+                "training.resume",
+                f"is false, but {t.checkpoint_dir} holds checkpoints a fresh run would overwrite: set "
+                "training.resume=true to continue them, or point training.checkpoint_dir at a new "
+                "directory (a relative one lives in the run directory), or move them away",
+            )
+        ]
+    )
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _refuse_changes(cfg: Config, step_dir: Path, saved: dict[str, Any] | None) -> None:
+    """A resume must keep every key that changes the model or the data (:data:`RESUME_KEYS`), but
+    those ``training.resume_allow_changes`` names; checkpoints before the config was saved: no check."""
+    if saved is None:
+        return
+    old, new = _flat(saved), _flat(config_to_dict(cfg))
+    allowed = set(cfg.training.resume_allow_changes)
+    changed = sorted(
+        k
+        for k in old.keys() | new.keys()
+        if k.startswith(RESUME_KEYS) and k not in allowed and old.get(k) != new.get(k)
+    )
+    if changed:
+        raise ConfigError(
+            [
+                (
+                    k,
+                    f"the checkpoint {step_dir} was written with {old.get(k)!r}, this run has "
+                    f"{new.get(k)!r}: it changes the model or the data, so the resumed run would not be "
+                    "the one checkpointed",
+                )
+                for k in changed
+            ]
+            + [
+                (
+                    "training.resume_allow_changes",
+                    f"set the key(s) back, start fresh in a new training.checkpoint_dir, or accept the "
+                    f"change explicitly: training.resume_allow_changes=[{', '.join(changed)}]",
+                )
+            ]
+        )
+
+
 def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
-    """Resume from the latest checkpoint when ``training.resume`` and one exists; else a fresh state.
-    Returns the state and the step directory it came from (None: fresh)."""
+    """Resume from the newest intact checkpoint when ``training.resume`` and one exists; else a fresh
+    state. Rank 0 removes partial saves, verifies every checksum and chooses the step; every rank
+    loads that one. Returns the state and the step directory it came from (None: fresh)."""
     t = ctx.cfg.training
-    step_dir = resumable_step_dir(ctx.cfg)
-    if step_dir is None or not ctx.policy.load_checkpoint(t.checkpoint_dir):
+    chosen: Any = None
+    if ctx.rank == 0:
+        if t.checkpoint_dir:
+            from megatron_acrl.megatron.checkpoint import remove_partial_saves
+
+            for path in remove_partial_saves(t.checkpoint_dir):
+                log0(f"removed the partial save {path} (a save that crashed or ran out of disk)")
+        try:
+            chosen = (resumable_step_dir(ctx.cfg), None)
+        except ConfigError as err:
+            chosen = (None, err.errors)
+    step_dir, refused = broadcast_object(chosen)  # the same step (or the same refusal) on every rank
+    if refused:
+        raise ConfigError(refused)
+    if step_dir is None:
+        _refuse_overwrite(ctx.cfg)
+        return DriverState(), None
+    check_resume(ctx.cfg, step_dir)
+    step = int(step_dir.name.rsplit("_", 1)[1])
+    if not ctx.policy.load_checkpoint(t.checkpoint_dir, step):
         return DriverState(), None
     if ctx.critic is not None:
-        ctx.critic.load_checkpoint(t.checkpoint_dir)
+        ctx.critic.load_checkpoint(t.checkpoint_dir, step)
     payload: Any = None
     if ctx.rank == 0:
         path = step_dir / "driver.pt"

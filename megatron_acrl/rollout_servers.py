@@ -375,7 +375,8 @@ class RolloutServers:
         (:data:`ROUTING_POLICY_CODE`), ``rollout/server_load/<k>`` (mean requests in flight on
         server k while generating; sampled from the router's counters under sglang-router),
         ``rollout/server_samples/<k>`` (direct fan-out), ``rollout/load_imbalance`` (busiest server's
-        load over the mean), ``rollout/requeued`` (requests re-sent after their server failed)."""
+        load over the mean), ``rollout/requeued`` (requests re-sent after their server failed or timed
+        out), ``rollout/timeouts`` (requests that timed out on a live server and were sent again)."""
         r = self.cfg.rollout
         policy = r.router_policy if self.router is not None else "least_outstanding"
         return {"rollout/router_policy": ROUTING_POLICY_CODE[policy], **self._load.take()}
@@ -521,10 +522,12 @@ class _LoadTally:
         self.load_s: dict[int, float] = {}
         self.samples: dict[int, float] = {}
         self.requeued = 0
+        self.timeouts = 0
 
     def add(self, result: FanOutResult, router_loads: dict[str, float], routed: bool) -> None:
         self.seconds += result.seconds
         self.requeued += result.requeued
+        self.timeouts += result.timeouts
         if routed:  # through the router: its sampled per-worker counts (0 where none was seen)
             for url, k in self.index.items():
                 self.load_s[k] = self.load_s.get(k, 0.0) + router_loads.get(url, 0.0) * result.seconds
@@ -544,5 +547,6 @@ class _LoadTally:
             out["rollout/load_imbalance"] = max(loads.values()) / mean if mean > 0 else 1.0
         out.update({f"rollout/server_samples/{k}": v for k, v in sorted(self.samples.items())})
         out["rollout/requeued"] = float(self.requeued)
+        out["rollout/timeouts"] = float(self.timeouts)
         self._clear()
         return out

@@ -31,6 +31,8 @@ from megatron_acrl.config import Config, ConfigError, config_to_dict, load_confi
 from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
+from megatron_acrl.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.producer import Producer, make_producer
 from megatron_acrl.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
 from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
@@ -187,10 +189,11 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_checkpoint_dir(load_config(args.config, args.overrides), args)
         cfg.check_paths()
         if args.load_rollouts and cfg.rollout.mode == "async":
             raise ConfigError([("rollout.mode", "--load-rollouts replays recorded batches: set mode sync")])
+        preflight(cfg, args)  # the data, tokens, directories, servers' needs: before anything starts
         check_resume(cfg)  # a checkpoint this config cannot continue exactly
     except ConfigError as err:
         print(err, file=sys.stderr)
@@ -203,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServersNotReady as err:
         print(err, file=sys.stderr)
         return SERVERS_UNAVAILABLE
+    except CheckpointSpaceError as err:  # refused before writing: the checkpoints so far are intact
+        print(f"checkpoint not written: {err}", file=sys.stderr)
+        return 1
     except Interrupted as err:  # a second stop signal: no checkpoint of this step
         print(f"{err}: stopped without a checkpoint of the current step", file=sys.stderr)
         return err.exit_code

@@ -13,7 +13,10 @@ Policies:
   with the fewest requests in flight, never more than ``max_in_flight`` each. A server that finishes
   early takes the next group instead of idling while another works through a long tail, and a
   server that dies has its groups (the one in flight included) re-sent to the others: no group is
-  lost while one server is left. Late binding is what balances: requests already queued inside a
+  lost while one server is left. A request that times out on a server that still answers its
+  health check is sent again (``MAX_TIMEOUTS`` times at most): a slow batch is not a dead server.
+  Each request's clock (the client's ``timeout_s``) starts when it is sent, never while it waits
+  here for a free slot. Late binding is what balances: requests already queued inside a
   server cannot move, so ``max_in_flight`` should be about what a server runs at once.
 * ``round_robin``: group i to server ``i % K`` up front (the classic static split); a dead server's
   groups still move to the others.
@@ -63,7 +66,9 @@ class FanOutResult:
     stats: list[ServerStats]
     seconds: float
     requeued: int = 0
-    """Requests re-sent to another server after theirs failed."""
+    """Requests re-sent to another server after theirs failed (or timed out)."""
+    timeouts: int = 0
+    """Requests that timed out on a server that still answered, and were sent again."""
 
 
 @dataclass
@@ -83,15 +88,20 @@ class _Target:
         self.in_flight += delta
 
 
-def _work(num_prompts: int, n: int, per_request: int) -> list[tuple[int, int]]:
-    """``(prompt, samples)`` requests: each group cut into requests of at most ``per_request``."""
+def _work(num_prompts: int, n: int, per_request: int) -> list[tuple[int, int, int]]:
+    """``(prompt, samples, request id)`` requests: each group cut into requests of at most
+    ``per_request``."""
     out = []
     for i in range(num_prompts):
         left = n
         while left > 0:
-            out.append((i, min(left, per_request)))
+            out.append((i, min(left, per_request), len(out)))
             left -= per_request
     return out
+
+
+MAX_TIMEOUTS = 2
+"""Times one request may time out on servers that still answer before the fan-out gives up."""
 
 
 class _FanOut:
@@ -107,6 +117,7 @@ class _FanOut:
         self.cond = asyncio.Condition()
         self.busy = 0  # requests in flight over all targets
         self.requeued = 0
+        self.timeouts: collections.Counter[int] = collections.Counter()  # request id -> timeouts
 
     def _queue(self, t: _Target) -> collections.deque:
         return t.own if self.policy == "round_robin" else self.shared
@@ -124,7 +135,32 @@ class _FanOut:
             return True
         return t.in_flight <= min(x.in_flight for x in self.targets if not x.stats.failed)
 
-    def _give_back(self, t: _Target, item: tuple[int, int]) -> None:
+    async def _timed_out(self, t: _Target, item: tuple[int, int, int], err: TimeoutError) -> bool:
+        """A request timed out: a server that still answers (it was slow, or busy) gets it again,
+        at the front, up to :data:`MAX_TIMEOUTS` times; one that does not is given up like a dead
+        one. Returns whether ``t`` goes on serving."""
+        health = getattr(t.client, "health", None)
+        alive = bool(await health()) if health is not None else False
+        async with self.cond:
+            self.busy -= 1
+            t.mark(time.monotonic(), -1)
+            self.cond.notify_all()
+            if not alive:
+                t.stats.failed = f"TimeoutError (and no answer to a health check): {err}"
+                self._give_back(t, item)
+                return False
+            self.timeouts[item[2]] += 1
+            if self.timeouts[item[2]] > MAX_TIMEOUTS:
+                raise TimeoutError(
+                    f"a request of prompt {item[0]} timed out {self.timeouts[item[2]]} times on live servers "
+                    f"(last {t.stats.url}: {err}); raise rollout.request_timeout_s, or lower "
+                    "rollout.max_concurrency / samples_per_request so a request waits less behind others"
+                ) from err
+            self.requeued += 1
+            self._queue(t).appendleft(item)
+            return True
+
+    def _give_back(self, t: _Target, item: tuple[int, int, int]) -> None:
         """A failed target's request (and, round-robin, its queue) to the targets still serving."""
         alive = [x for x in self.targets if not x.stats.failed]
         self.requeued += 1
@@ -149,6 +185,10 @@ class _FanOut:
                 t.mark(time.monotonic(), +1)
             try:
                 samples = await t.client.generate_group(prompts[item[0]], params[item[0]], item[1])
+            except TimeoutError as e:
+                if await self._timed_out(t, item, e):
+                    continue
+                return
             except _GONE as e:
                 async with self.cond:
                     t.stats.failed = f"{type(e).__name__}: {e}"
@@ -205,7 +245,8 @@ class _FanOut:
         for t in self.targets:
             t.mark(now, 0)
         groups = [out.get(i, []) for i in range(len(prompts))]
-        return FanOutResult(groups, [t.stats for t in self.targets], now - start, self.requeued)
+        timeouts = sum(self.timeouts.values())
+        return FanOutResult(groups, [t.stats for t in self.targets], now - start, self.requeued, timeouts)
 
 
 async def fan_out(
@@ -230,6 +271,8 @@ async def fan_out(
     Raises:
         ServerGoneError: every client failed while groups were left.
         SGLangHTTPError: a server refused a request (not retried: the same request would fail again).
+        TimeoutError: a request timed out more than :data:`MAX_TIMEOUTS` times on servers that still
+            answered their health check (a timeout on one that does not is a dead server's).
     """
     if n < 1 or max_in_flight < 1:
         raise ValueError(f"n and max_in_flight must be >= 1, got n={n}, max_in_flight={max_in_flight}")

@@ -69,7 +69,7 @@ def test_a_lag_the_checkpoint_cannot_serve_is_refused_up_front(tmp_path):
     msg = error_of(check_resume, longer)
     assert "rollout.weight_lag_steps" in msg and "keeps only versions [3, 4, 5]" in msg and "<= 2" in msg
     fresh = load_config(CONFIG, [f"training.checkpoint_dir={root}", "training.resume=false"])
-    check_resume(fresh)  # no resume: nothing to check
+    assert "training.resume" in error_of(check_resume, fresh)  # a fresh run would overwrite them
     plain = _checkpoint(tmp_path / "plain", 4, None)  # a run without lag keeps only its own weights
     msg = error_of(
         check_resumable,

@@ -1,7 +1,8 @@
 """The RL loop end to end: real Megatron trainer, real SGLang CPU server, ACRL, W&B offline.
 
 One live run (recording its rollouts, with a killed server and a NaN log-prob injected) feeds the
-replay runs: every algorithm x every correction, and resume exactness, without a server.
+replay runs: every algorithm x every correction, resume exactness and a resume past a damaged
+checkpoint, without a server.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from megatron_acrl.batch import load_rollouts
 from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
+from megatron_acrl.megatron.step_manifest import select_step_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
@@ -288,3 +290,33 @@ def test_export_to_hf_safetensors(live):
     assert "model.embed_tokens.weight" in names and "model.layers.1.mlp.down_proj.weight" in names
     model = AutoModelForCausalLM.from_pretrained(str(export))  # a normal HF directory
     assert model.config.num_hidden_layers == 2
+
+
+def test_a_damaged_checkpoint_resumes_from_the_newest_intact_one(live):
+    """4 KiB garbled inside a shard of the latest checkpoint (same size) once loaded without a word and
+    trained on (issue #25): now the resume names it, keeps it, and continues exactly from the step
+    before; the run saves that step again beside the damaged copy, never over it."""
+    common = BASE + ["logging.wandb_mode=disabled", "training.save_interval=2", "training.num_steps=4"]
+    ck = live / "ck-damaged"
+    replay = ["--load-rollouts", str(live / "rollouts")]
+    run = [f"training.checkpoint_dir={ck}"]
+    run_spec(
+        live,
+        [{"config": CONFIG, "overrides": common + run, "args": ["--run-dir", str(live / "dmg-a"), *replay]}],
+    )
+    shard = sorted((ck / "step_00000004" / "policy").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[1024 : 1024 + 4096] = os.urandom(4096)
+    shard.write_bytes(bytes(data))
+    run_spec(
+        live,
+        [{"config": CONFIG, "overrides": common + run, "args": ["--run-dir", str(live / "dmg-b"), *replay]}],
+    )
+    a, b = rows(live / "dmg-a"), rows(live / "dmg-b")
+    assert [x["step"] for x in b] == [3, 4]  # resumed from step 2, the newest intact one
+    for ra, rb in zip(a[2:], b, strict=True):
+        for k, v in ra.items():
+            if not k.startswith(("time/", "perf/", "sync/seconds")):
+                assert rb[k] == v, (ra["step"], k)
+    assert (ck / "damaged-step_00000004" / "policy" / shard.name).read_bytes() == bytes(data)  # kept
+    assert (select_step_dir(ck).step, select_step_dir(ck).passed_over) == (4, [])

@@ -18,6 +18,7 @@ model's own (``base.ModelTrainer.sharded_state_dict`` and its subclasses).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -38,9 +39,21 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 
 from megatron_acrl.config import Config, ConfigError
 from megatron_acrl.megatron.model import unwrap
+from megatron_acrl.megatron.step_manifest import (
+    needs_manifest,
+    read_latest,
+    step_bytes,
+    step_dirs,
+    step_name,
+    verify_step,
+    write_manifest,
+)
 
 __all__ = [
     "CHECKPOINT_BACKEND",
+    "CheckpointSpaceError",
+    "remove_partial_saves",
+    "space_problem",
     "check_compatible",
     "checkpoint_meta",
     "load_chunks",
@@ -53,6 +66,8 @@ __all__ = [
 ]
 
 CHECKPOINT_BACKEND = "torch_dist"
+
+log = logging.getLogger(__name__)
 
 _CHECKPOINT_MODEL_FIELDS = (
     "family",
@@ -212,8 +227,15 @@ def check_compatible(path: str | os.PathLike, mine: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
+_step_name = step_name
+
+SPACE_MARGIN = 1.1
+"""Free space a save needs, as a multiple of the previous checkpoint's size (files grow a little:
+optimizer step counts, a longer driver state)."""
+
+
+class CheckpointSpaceError(OSError):
+    """Too little free space for a checkpoint (raised on every rank, before anything is written)."""
 
 
 def _fsync_tree(root: Path) -> None:
@@ -244,9 +266,13 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_latest(root: Path, step: int, name: str) -> None:
     latest = root / "latest.json"
+    if isinstance(read_latest(root), str):  # a damaged one is kept beside, not overwritten
+        kept = _aside(root, "latest.json.damaged")
+        os.rename(latest, kept)
+        log.warning("%s was unreadable; kept as %s", latest, kept)
     tmp = root / f".latest.json.tmp-{os.getpid()}"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(json.dumps({"step": step, "dir": name}))
+        f.write(json.dumps({"step": step, "dir": name, "manifest": True}))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, latest)
@@ -257,7 +283,15 @@ def _commit(root: Path, tmp: Path, final: Path, step: int) -> None:
     """Rank 0: fsync ``tmp``, rename it to ``final`` (moving a previous ``final`` aside until the
     rename is done), then replace ``latest.json``: the commit point."""
     _fsync_tree(tmp)
+    write_manifest(tmp)
+    _fsync_dir(tmp)
     trash = None
+    problem = verify_step(final, need_manifest=needs_manifest(root)) if final.exists() else None
+    if problem is not None:
+        # A damaged checkpoint of this step (the run resumed from an older one): kept, never deleted.
+        kept = _aside(root, f"damaged-{final.name}")
+        os.rename(final, kept)
+        log.warning("%s is damaged (%s); kept as %s", final, problem, kept)
     if final.exists():  # saved before (uncommitted, or committed and now superseded)
         trash = root / f".trash-{final.name}"
         if trash.exists():
@@ -268,6 +302,48 @@ def _commit(root: Path, tmp: Path, final: Path, step: int) -> None:
     _write_latest(root, step, final.name)
     if trash is not None:
         shutil.rmtree(trash)
+
+
+def _aside(root: Path, name: str) -> Path:
+    """A free name ``root/name`` (or ``name-<k>``) to keep a damaged file or directory under."""
+    path, k = root / name, 1
+    while path.exists():
+        path, k = root / f"{name}-{k}", k + 1
+    return path
+
+
+def space_problem(root: Path, step: int) -> str | None:
+    """Rank 0, before a save: why ``root`` cannot hold another checkpoint (None: it can). The need is
+    estimated from the newest existing step (nothing to go by before the first save)."""
+    previous = next((p for _, p in step_dirs(root)), None) if root.is_dir() else None
+    if previous is None:
+        return None
+    need = int(step_bytes(previous) * SPACE_MARGIN)
+    free = shutil.disk_usage(root).free
+    if free >= need:
+        return None
+    gib = 1 << 30
+    return (
+        f"not enough free space for the checkpoint of step {step} in {root}: about {need / gib:.2f} GiB "
+        f"needed (the size of {previous.name} x {SPACE_MARGIN}), {free / gib:.2f} GiB free. Free at "
+        f"least {(need - free) / gib:.2f} GiB on that disk (older step_* directories there you do not "
+        "need, other files), or point training.checkpoint_dir at a larger disk; the checkpoints "
+        "already written are intact and the run resumes from the newest"
+    )
+
+
+def remove_partial_saves(directory: str | os.PathLike) -> list[Path]:
+    """Rank 0, at start: remove the ``.tmp-step_*`` directories (and temporary ``latest.json``
+    files) of saves that crashed or ran out of disk: never committed, so nothing resumes from them,
+    and on a full disk they hold the space the next save needs. Returns what was removed."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = sorted([*root.glob(".tmp-step_*"), *root.glob(".latest.json.tmp-*")])
+    for path in removed:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        log.warning("removed the partial save %s (never committed)", path)
+    return removed
 
 
 def save_step_atomically(
@@ -285,6 +361,10 @@ def save_step_atomically(
     root = Path(directory)
     final, tmp = root / _step_name(step), root / f".tmp-{_step_name(step)}"
     rank0 = dist.get_rank() == 0
+    verdict = [space_problem(root, step) if rank0 else None]
+    dist.broadcast_object_list(verdict, src=0)  # every rank refuses alike, before anything is written
+    if verdict[0] is not None:
+        raise CheckpointSpaceError(verdict[0])
     if rank0:
         if tmp.exists():  # a crashed save of the same step
             shutil.rmtree(tmp)
@@ -306,10 +386,12 @@ def resolve_step_dir(directory: str | os.PathLike, step: int | None = None) -> P
     (None when there is no ``latest.json``: nothing was ever committed there)."""
     root = Path(directory)
     if step is None:
-        latest = root / "latest.json"
-        if not latest.exists():
+        latest = read_latest(root)
+        if latest is None:
             return None
-        name = json.loads(latest.read_text())["dir"]
+        if isinstance(latest, str):
+            raise FileNotFoundError(f"{latest}; the driver resumes from the newest intact step instead")
+        name = latest[1]
     else:
         name = _step_name(step)
     found = root / name

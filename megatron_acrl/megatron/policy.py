@@ -439,6 +439,7 @@ class Policy(ModelTrainer):
             directory, self.step, [lambda d: self.save_dist(d / self.ckpt_kind), *also]
         )
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> bool:
-        """Resume from ``directory/latest.json`` if present; returns whether a checkpoint was loaded."""
-        return self._load_latest(directory, None)
+    def load_checkpoint(self, directory: str | os.PathLike, step: int | None = None) -> bool:
+        """Resume from ``directory/step_<step>`` or, by default, the step ``latest.json`` names (if
+        present); returns whether a checkpoint was loaded."""
+        return self._load_latest(directory, step)

@@ -44,28 +44,46 @@ def extract_answer(completion: str) -> str | None:
 
 
 def load_jsonl(path: str | Path) -> list[Prompt]:
-    """Read a GSM8K-format JSONL file; errors name the file, line and missing field."""
+    """Read a GSM8K-format JSONL file; every error (not a file, not UTF-8, a line that is not a JSON
+    object, a missing field, an answer without a number, no rows) names the file and line and the fix."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{p} is a directory; task.data_path must be a JSONL file (one JSON object a line)")
     if not p.is_file():
         raise FileNotFoundError(f"task.data_path: no such file {p}")
-    prompts = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{p}:{i}: not valid JSON ({err.msg})") from None
-        for key in ("question", "answer"):
-            if key not in row:
-                raise ValueError(f"{p}:{i}: missing field {key!r} (GSM8K format: question, answer)")
-        gold = extract_answer(str(row["answer"]))
-        if gold is None:
-            raise ValueError(f"{p}:{i}: answer has no number (expected '#### <number>')")
-        prompts.append(Prompt(text=str(row["question"]), answer=gold, uid=i))
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = p.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{p}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x}); re-encode the file"
+        ) from None
+    prompts = [row for i, line in enumerate(text.splitlines(), 1) if (row := _parse_row(p, i, line))]
     if not prompts:
-        raise ValueError(f"{p}: no examples")
+        raise ValueError(f"{p}: no examples (the file is empty); GSM8K format: one JSON object a line")
     return prompts
+
+
+def _parse_row(p: Path, i: int, line: str) -> Prompt | None:
+    """Line ``i`` of ``p`` as a prompt (None: a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{p}:{i}: not valid JSON ({err.msg}, column {err.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(
+            f"{p}:{i}: expected a JSON object with 'question' and 'answer', "
+            f"got a {type(row).__name__} ({line[:40]!r})"
+        )
+    for key in ("question", "answer"):
+        if key not in row:
+            raise ValueError(f"{p}:{i}: missing field {key!r} (GSM8K format: question, answer)")
+    gold = extract_answer(str(row["answer"]))
+    if gold is None:
+        raise ValueError(f"{p}:{i}: answer has no number (expected '#### <number>')")
+    return Prompt(text=str(row["question"]), answer=gold, uid=i)
 
 
 class GSM8KTask:
@@ -77,6 +95,11 @@ class GSM8KTask:
         rows = load_jsonl(data_path)
         k = min(eval_size, len(rows) // 2)
         self._train, self._eval = rows[: len(rows) - k], rows[len(rows) - k :]
+
+    @property
+    def num_train_prompts(self) -> int:
+        """Training rows (one epoch of :meth:`train_prompts`)."""
+        return len(self._train)
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         return cycle_shuffled(self._train, seed)

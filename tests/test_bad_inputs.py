@@ -1,0 +1,299 @@
+"""Bad inputs fail early (issue #25, "Faults and bad input"): every listed input goes through the
+real entry point (``megatron_acrl.train.main``, what ``python -m megatron_acrl.train`` runs) and must
+exit 2 with the key (or file:line) and the fix named, before anything starts: ``run`` (which
+initialises the world, builds the model and starts the servers) is replaced by a tripwire.
+
+One table; each row builds its input in a temporary directory. The first rows are the inputs that
+failed late (with a traceback, some after the server started) before the pre-flight
+(:mod:`megatron_acrl.preflight`); the last ones were caught already and stay caught.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_acrl.train as train
+from megatron_acrl.exit_codes import CONFIG_ERROR
+from megatron_acrl.tiny_model import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = str(REPO / "configs" / "tiny_dense.yaml")
+GOOD_ROW = {"question": "What is 1 + 1?", "answer": "#### 2"}
+
+
+def _data(tmp: Path, content: str | bytes, name: str = "data.jsonl") -> list[str]:
+    """Overrides of a GSM8K task reading ``content`` from a file in ``tmp``."""
+    path = tmp / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return ["task.name=gsm8k", f"task.data_path={path}"]
+
+
+def _good_rows(n: int = 3) -> str:
+    return "".join(json.dumps(GOOD_ROW) + "\n" for _ in range(n))
+
+
+def _yaml(tmp: Path, text: str) -> str:
+    path = tmp / "dup.yaml"
+    path.write_text(Path(BASE).read_text() + text)
+    return str(path)
+
+
+# (id, setup(tmp) -> (config path, argv after it), the key named, words of the message)
+Setup = Callable[[Path], tuple[str, list[str]]]
+CASES: list[tuple[str, Setup, str, str]] = [
+    # -- data files
+    (
+        "json_broken",
+        lambda t: (BASE, _data(t, _good_rows() + '{"question": "1+\n')),
+        "task.data_path",
+        "data.jsonl:4: not valid JSON",
+    ),
+    ("json_empty", lambda t: (BASE, _data(t, "")), "task.data_path", "no examples"),
+    (
+        "json_number",
+        lambda t: (BASE, _data(t, _good_rows() + "5\n")),
+        "task.data_path",
+        "data.jsonl:4: expected a JSON object",
+    ),
+    (
+        "json_string",
+        lambda t: (BASE, _data(t, '"a question"\n')),
+        "task.data_path",
+        "data.jsonl:1: expected a JSON object",
+    ),
+    (
+        "not_utf8",
+        lambda t: (BASE, _data(t, _good_rows(2).encode() + b'{"question": "\xff"}\n')),
+        "task.data_path",
+        "data.jsonl:3: not UTF-8",
+    ),
+    (
+        "missing_field",
+        lambda t: (BASE, _data(t, '{"question": "2+2"}\n')),
+        "task.data_path",
+        "missing field 'answer'",
+    ),
+    (
+        "answer_no_number",
+        lambda t: (BASE, _data(t, '{"question": "2+2", "answer": "four"}\n')),
+        "task.data_path",
+        "answer has no number",
+    ),
+    (
+        "data_is_directory",
+        lambda t: (BASE, ["task.name=gsm8k", f"task.data_path={t}"]),
+        "task.data_path",
+        "is a directory",
+    ),
+    # -- prompt length, vocab
+    (
+        "prompt_too_long",
+        lambda t: (
+            BASE,
+            _data(t, _good_rows() + json.dumps({"question": "1 + 2 " * 40, "answer": "#### 3"}) + "\n"),
+        ),
+        "rollout.max_prompt_len",
+        "data.jsonl:4 (",
+    ),
+    (
+        "vocab_below_tokenizer",
+        lambda t: (BASE, [f"model.tokenizer_path={build_tokenizer(320)}", "model.vocab_size=300"]),
+        "model.vocab_size",
+        "smaller than the tokenizer's 320",
+    ),
+    ("vocab_below_bytes", lambda t: (BASE, ["model.vocab_size=100"]), "model.vocab_size", "must be >= "),
+    # -- directories
+    (
+        "ckpt_is_file",
+        lambda t: (BASE, [f"training.checkpoint_dir={_file(t)}"]),
+        "training.checkpoint_dir",
+        "is a file",
+    ),
+    (
+        "ckpt_not_writable",
+        lambda t: (BASE, ["training.checkpoint_dir=/proc/acrl-ckpt"]),
+        "training.checkpoint_dir",
+        "not writable",
+    ),
+    ("run_dir_is_file", lambda t: (BASE, ["--run-dir", str(_file(t))]), "--run-dir", "is a file"),
+    ("run_dir_not_writable", lambda t: (BASE, ["--run-dir", "/proc/acrl-run"]), "--run-dir", "not writable"),
+    (
+        "load_rollouts_missing",
+        lambda t: (BASE, ["--load-rollouts", str(t / "none")]),
+        "--load-rollouts",
+        "no directory",
+    ),
+    (
+        "save_rollouts_is_file",
+        lambda t: (BASE, ["--save-rollouts", str(_file(t))]),
+        "--save-rollouts",
+        "is a file",
+    ),
+    # -- rollout
+    (
+        "request_timeout_zero",
+        lambda t: (BASE, ["rollout.request_timeout_s=0"]),
+        "rollout.request_timeout_s",
+        "must be > 0",
+    ),
+    (
+        "request_timeout_negative",
+        lambda t: (BASE, ["rollout.request_timeout_s=-5"]),
+        "rollout.request_timeout_s",
+        "must be > 0",
+    ),
+    (
+        "startup_timeout_zero",
+        lambda t: (BASE, ["rollout.startup_timeout_s=0"]),
+        "rollout.startup_timeout_s",
+        "must be > 0",
+    ),
+    (
+        "server_cpus_absent",
+        lambda t: (BASE, ["rollout.server_cpus=[4093, 4094]"]),
+        "rollout.server_cpus",
+        "[4093, 4094]",
+    ),
+    (
+        "api_key_env_unset",
+        lambda t: (BASE, ["rollout.api_key_env=ACRL_TEST_KEY_NOT_SET"]),
+        "rollout.api_key_env",
+        "ACRL_TEST_KEY_NOT_SET, which is not set",
+    ),
+    (
+        "fp8_real_on_cpu",
+        lambda t: (BASE, ["rollout.device=cpu", "rollout.fp8_mode=real"]),
+        "rollout.fp8_mode",
+        "needs a cuda server",
+    ),
+    pytest.param(
+        "fp8_real_auto_device",
+        lambda t: (BASE, ["rollout.fp8_mode=real"]),
+        "rollout.fp8_mode",
+        "needs a cuda server",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="auto is cuda here: real FP8 is right"),
+        id="fp8_real_auto_device",
+    ),
+    # -- logging, YAML
+    (
+        "wandb_online_no_key",
+        lambda t: (BASE, ["logging.wandb_mode=online"]),
+        "logging.wandb_mode",
+        "WANDB_API_KEY",
+    ),
+    (
+        "yaml_section_twice",
+        lambda t: (_yaml(t, "model:\n  num_layers: 4\n"), []),
+        "model",
+        "'model' is given twice (first on line 4)",
+    ),
+    (
+        "yaml_key_twice",
+        lambda t: (_field_twice(t), []),
+        "rollout.max_prompt_len",
+        "'max_prompt_len' is given twice",
+    ),
+    # -- caught already (they stay caught)
+    (
+        "unknown_key",
+        lambda t: (BASE, ["rollout.temprature=0.5"]),
+        "rollout.temprature",
+        "did you mean 'rollout.temperature'",
+    ),
+    ("wrong_type", lambda t: (BASE, ["training.lr=fast"]), "training.lr", "expected float"),
+    (
+        "data_path_missing",
+        lambda t: (BASE, ["task.name=gsm8k", f"task.data_path={t / 'none.jsonl'}"]),
+        "task.data_path",
+        "no such file",
+    ),
+    ("tp_not_dividing", lambda t: (BASE, ["parallel.tp=3"]), "parallel.tp", "divisible by tp=3"),
+]
+
+
+def _file(tmp: Path) -> Path:
+    path = tmp / "a-file"
+    path.write_text("not a directory\n")
+    return path
+
+
+def _field_twice(tmp: Path) -> str:
+    text = (
+        Path(BASE)
+        .read_text()
+        .replace("  max_prompt_len: 32\n", "  max_prompt_len: 32\n  max_prompt_len: 64\n")
+    )
+    path = tmp / "field-twice.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _case_params() -> list:
+    out = []
+    for case in CASES:
+        out.append(case if hasattr(case, "values") else pytest.param(*case, id=case[0]))
+    return out
+
+
+@pytest.fixture
+def tripwire(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``train.run`` (world, model, servers) replaced: a bad input must be refused before it."""
+    started: list[str] = []
+    monkeypatch.setattr(train, "run", lambda cfg, args, prepare=None: started.append("run"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("ACRL_TEST_KEY_NOT_SET", raising=False)
+    return started
+
+
+@pytest.mark.parametrize(("name", "setup", "key", "words"), _case_params())
+def test_bad_input_fails_before_anything_starts(
+    name: str, setup: Setup, key: str, words: str, tmp_path: Path, tripwire: list[str], monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc W&B login
+    config, argv = setup(tmp_path)
+    if "--run-dir" not in argv:
+        argv = [*argv, "--run-dir", str(tmp_path / "run")]
+    rc = train.main(["--config", config, *argv])
+    err = capsys.readouterr().err
+    assert not tripwire, f"{name}: the run started"
+    assert rc == CONFIG_ERROR, f"{name}: exit {rc}\n{err}"
+    assert f"  {key}: " in err, f"{name}: {key!r} not named:\n{err}"
+    assert words in err, f"{name}: {words!r} not in:\n{err}"
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists(), f"{name}: the run directory was made"
+
+
+def test_a_good_input_passes_the_preflight(tmp_path: Path, tripwire: list[str]) -> None:
+    """The checks refuse what is wrong only: a good GSM8K file and writable directories reach ``run``."""
+    data = _data(tmp_path, _good_rows(8))
+    argv = ["--config", BASE, *data, f"training.checkpoint_dir={tmp_path / 'ck'}", "--run-dir", str(tmp_path)]
+    assert train.main(argv) == 0
+    assert tripwire == ["run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # the probes left nothing
+
+
+def test_cli_exits_2_on_a_broken_data_file(tmp_path: Path) -> None:
+    """The real command line (a process of its own): exit 2, file:line and no traceback."""
+    data = _data(tmp_path, _good_rows() + "[1, 2]\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_acrl.train",
+        "--config",
+        BASE,
+        *data,
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == CONFIG_ERROR, out.stderr
+    assert "task.data_path" in out.stderr and "data.jsonl:4: expected a JSON object" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()
