@@ -66,6 +66,10 @@ def run_once(mode: str, args: argparse.Namespace, run_dir: Path) -> list[dict]:
         text=True,
         timeout=3600,
         preexec_fn=lambda: os.sched_setaffinity(0, cpus),  # the trainer's cores (threads inherit)
+        # Its own session, as the servers have (they start with start_new_session): with Linux's
+        # autogroup, CPU time is shared between sessions first, so a trainer left in this script's
+        # session competes with whatever else runs there, while its server does not.
+        start_new_session=True,
     )
     if res.returncode != 0:
         raise SystemExit(f"{mode} run failed (rc={res.returncode}):\n{res.stderr[-4000:]}")
