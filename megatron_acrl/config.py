@@ -418,10 +418,9 @@ class RolloutConfig(_Section):
     """Async: CPU cores of rank 0's producer thread (the HTTP client, JSON decoding, scoring and
     bookkeeping of the requests in flight), set on that thread alone; empty: the trainer process's
     cores. Give it cores the trainer does not compute on (on a GPU node, a spare host core; on a
-    CPU machine, e.g. the servers' cores) so that its work never takes the trainer's core: run on
-    the trainer's core it added ~25% CPU time to the train phase (docs/async.md, "Where the
-    trainer's time goes"). Threads share the GIL, so this moves its CPU work, not its GIL holds
-    (measured negligible)."""
+    CPU machine, e.g. the servers' cores) so that its work never takes the trainer's core
+    (docs/async.md, "Where the trainer's time goes"). Threads share the GIL, so this moves its CPU
+    work, not its GIL holds."""
 
     weight_lag_steps: int = 0
     """Deterministic drift for experiments: the servers sample every batch with the policy of this
