@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo study study-pilot study-first mutate clean
+.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first mutate clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,12 @@ demo: $(STAMP)
 		-m megatron_acrl.train --config configs/demo.yaml --run-dir runs/demo
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
+
+# Reward parity of async RL: the demo's config in sync and in async (K = 1), both reward curves (and the
+# exact J) in docs/async_reward.png, and a table for docs/async.md (scripts/async_reward.py).
+async-reward: $(STAMP)
+	rm -rf runs/async-reward
+	$(PY) scripts/async_reward.py
 
 # The mismatch study (issue #23): stress FP8 + an 8-step weight lag, BF16 / none / TIS / ACRL / ACRL
 # extended, 6 seeds x 150 steps, verdicts on the exact metric, two seed shards side by side (--jobs 2,

@@ -414,6 +414,14 @@ class RolloutConfig(_Section):
     in_place; their tokens carry both versions). false: an update first lets them finish (retract,
     in_place) or aborts them and generates them again (abort): every sample has one version."""
 
+    producer_cpus: tuple[int, ...] = ()
+    """Async: CPU cores of rank 0's producer thread (the HTTP client, JSON decoding, scoring and
+    bookkeeping of the requests in flight), set on that thread alone; empty: the trainer process's
+    cores. Give it cores the trainer does not compute on (on a GPU node, a spare host core; on a
+    CPU machine, e.g. the servers' cores) so that its work never takes the trainer's core
+    (docs/async.md, "Where the trainer's time goes"). Threads share the GIL, so this moves its CPU
+    work, not its GIL holds."""
+
     weight_lag_steps: int = 0
     """Deterministic drift for experiments: the servers sample every batch with the policy of this
     many RL steps ago (version max(0, t - L) at step t), in sync or async mode. Rank 0 keeps L + 1
@@ -601,6 +609,20 @@ class RolloutConfig(_Section):
             self.max_staleness >= 1,
             "max_staleness",
             f"must be >= 1 (weight versions), got {self.max_staleness}",
+        )
+        _check(
+            e,
+            all(isinstance(c, int) and c >= 0 for c in self.producer_cpus)
+            and len(set(self.producer_cpus)) == len(self.producer_cpus),
+            "producer_cpus",
+            f"must be distinct core numbers >= 0, got {list(self.producer_cpus)}",
+        )
+        _check(
+            e,
+            not self.producer_cpus or self.mode == "async",
+            "producer_cpus",
+            "pins the async producer's thread; sync mode has none (its client runs in the trainer's "
+            "thread, while the trainer waits): set rollout.mode=async or producer_cpus=[]",
         )
         if self.mode == "async":
             _check(

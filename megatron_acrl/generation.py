@@ -16,17 +16,21 @@ scratch on the new weights. Anything else (a bad answer, a prompt too long) is f
 the trainer's thread.
 
 Shared state is guarded by one condition variable; the loop thread never awaits while holding it.
+The thread runs on ``rollout.producer_cpus`` when given (set on it alone, before it does any work),
+so that its CPU work does not take the trainer's cores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.advantages import dynamic_sampling_keep
+from megatron_acrl.config import ConfigError
 from megatron_acrl.group_queue import GroupQueue
 from megatron_acrl.rollout import encode_prompts, score_groups, shape_rewards
 from megatron_acrl.rollout_servers import routed_experts_topk
@@ -114,11 +118,18 @@ class GenerationEngine:
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._pinned = threading.Event()
+        self._pin_error: str | None = None
 
     # -- the trainer's thread -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the thread; a ``rollout.producer_cpus`` it cannot run on is a ConfigError here."""
         self._thread.start()
+        self._pinned.wait()
+        if self._pin_error is not None:
+            self._thread.join(timeout=60)
+            raise ConfigError([("rollout.producer_cpus", self._pin_error)])
 
     def wait_batch(self, step: int) -> tuple[str, Any]:
         """Block until step ``step``'s groups are ready: ``("ok", TakeResult)``, or ``("failed", why)``
@@ -227,8 +238,27 @@ class GenerationEngine:
 
     # -- the engine's thread -------------------------------------------------------------------------
 
+    def _pin(self) -> bool:
+        """Move this thread (only: ``sched_setaffinity(0)`` is the calling thread) to the producer's
+        cores; False, with the reason kept for :meth:`start`, when it cannot run there."""
+        cpus = self.cfg.rollout.producer_cpus
+        try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+        except (OSError, ValueError, AttributeError) as e:  # AttributeError: not Linux
+            self._pin_error = (
+                f"the producer thread cannot run on cores {list(cpus)} ({e}); this process may use "
+                f"{sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'}: "
+                "give cores of the machine (and of the job's cpuset), or [] for the trainer's cores"
+            )
+        self._pinned.set()
+        return self._pin_error is None
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
+        if not self._pin():
+            self._loop.close()
+            return
         try:
             self._loop.run_until_complete(self._main())
         finally:

@@ -232,3 +232,16 @@ def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
                 {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
             )
     return rows
+
+
+def thread_clock() -> tuple[float, float]:
+    """``(cpu_s, runq_s)`` of the calling thread so far: the seconds it ran on a CPU and the seconds
+    it was ready but waited for one (another thread or process held its core; Linux
+    ``/proc/thread-self/schedstat``, nan elsewhere). Between two readings, a phase's wall time
+    minus both is what it spent blocked (I/O, locks, the GIL)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), math.nan

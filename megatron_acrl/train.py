@@ -31,6 +31,7 @@ from megatron_acrl.config import Config, ConfigError, config_to_dict, load_confi
 from megatron_acrl.context import RunContext, setup_run
 from megatron_acrl.distributed import any_rank
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.logging import thread_clock
 from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
 from megatron_acrl.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.producer import Producer, make_producer
@@ -48,7 +49,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
         batch, m = producer.next_batch(state, step)  # sync: generate now; async: a finished batch
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), thread_clock()
         tb = batch.tensors()
         old = policy.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
         tb["old_logprobs"] = old["logprobs"]
@@ -67,12 +68,12 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
             m.update(policy.train_step(mb))
             if ctx.critic is not None:
                 m.update(ctx.critic.train_step(mb))  # critic/* metrics
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), thread_clock()
         state.weight_version = step + 1
         m.update(producer.publish(state.weight_version))  # the servers: version max(0, v - lag)
         t4 = time.perf_counter()
         state.step = step + 1
-        m.update(phase_metrics(tb, (t0, t1, t2, t3, t4)) | producer.step_metrics(t4 - t0, t1 - t0))
+        m.update(phase_metrics(tb, (t0, t1, t2, t3, t4), (c1, c3)) | producer.step_metrics(t4 - t0, t1 - t0))
         if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
             m.update(producer.evaluate(state.step))
         m.update(producer.evaluate_exact(state.step))  # training.exact_eval_interval
@@ -87,9 +88,17 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
     return state
 
 
-def phase_metrics(tb: dict[str, Tensor], t: tuple[float, ...]) -> dict[str, float]:
-    """``time/*`` of the step's phases (``t``: the clock at its five boundaries) and its token rate."""
-    return {
+def phase_metrics(
+    tb: dict[str, Tensor], t: tuple[float, ...], c: tuple[tuple[float, float], ...] = ()
+) -> dict[str, float]:
+    """``time/*`` of the step's phases (``t``: the clock at its five boundaries) and its token rate;
+    with ``c`` (:func:`~megatron_acrl.logging.thread_clock` at the start and end of pi_old + train),
+    the trainer thread's CPU seconds over those phases and its seconds waiting for a core
+    (``time/train_cpu``, ``time/train_runq``: what a wall time longer than the CPU time was spent on)."""
+    extra = {}
+    if len(c) == 2:
+        extra = {"time/train_cpu": c[1][0] - c[0][0], "time/train_runq": c[1][1] - c[0][1]}
+    return extra | {
         "time/rollout": t[1] - t[0],
         "time/logprob": t[2] - t[1],
         "time/train": t[3] - t[2],

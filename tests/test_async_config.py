@@ -3,15 +3,19 @@ which checkpoints a lag can resume from, and every bad input refused before anyt
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_acrl.config import ConfigError, load_config
+from megatron_acrl.generation import GenerationEngine
 from megatron_acrl.resume import DriverState, check_resume
 from megatron_acrl.served_weights import INDEX_FILE, check_resumable, served_version
 from megatron_acrl.staleness import format_version, parse_version, token_versions
@@ -98,6 +102,9 @@ def test_negative_lag_is_refused():
         ),
         (["rollout.mode=overlap"], "rollout.mode", "async"),
         (["rollout.stale_policy=skip"], "rollout.stale_policy", "drop"),
+        (["rollout.producer_cpus=[1]"], "rollout.producer_cpus", "set rollout.mode=async"),
+        (["rollout.mode=async", "rollout.producer_cpus=[1,1]"], "rollout.producer_cpus", "distinct"),
+        (["rollout.mode=async", "rollout.producer_cpus=[-1]"], "rollout.producer_cpus", ">= 0"),
     ],
 )
 def test_bad_async_input_names_the_field(overrides, key, words):
@@ -134,3 +141,36 @@ def test_entry_point_refuses_async_replay_and_async_checkpoints_in_sync(tmp_path
     msg = error_of(check_resume, sync)
     assert "rollout.mode" in msg and "1 admitted, untrained" in msg
     check_resume(load_config(CONFIG, [f"training.checkpoint_dir={root}", "rollout.mode=async"]))
+
+
+def _engine_thread_only(overrides: list[str]) -> GenerationEngine:
+    """A generation engine with just what starting its thread needs (no servers, no queue)."""
+    engine = GenerationEngine.__new__(GenerationEngine)
+    engine.cfg = load_config(CONFIG, ["rollout.mode=async", *overrides])
+    engine._pinned, engine._pin_error = threading.Event(), None
+    engine._loop = asyncio.new_event_loop()
+    return engine
+
+
+def test_producer_thread_runs_on_its_cores_and_leaves_the_trainers():
+    cpus = sorted(os.sched_getaffinity(0))
+    engine = _engine_thread_only([f"rollout.producer_cpus=[{cpus[-1]}]"])
+    seen: dict = {}
+
+    def body() -> None:
+        seen["pinned"], seen["cpus"] = engine._pin(), os.sched_getaffinity(0)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == {"pinned": True, "cpus": {cpus[-1]}}
+    assert sorted(os.sched_getaffinity(0)) == cpus  # the trainer's thread keeps its cores
+    engine._loop.close()
+
+
+def test_producer_cores_it_cannot_run_on_are_a_config_error_at_start():
+    engine = _engine_thread_only(["rollout.producer_cpus=[100000]"])
+    engine._thread = threading.Thread(target=engine._run)
+    msg = error_of(engine.start)
+    assert "rollout.producer_cpus" in msg and "[100000]" in msg and "[] for the trainer's cores" in msg
+    assert not engine._thread.is_alive() and engine._loop.is_closed()

@@ -34,3 +34,29 @@ def test_disabled_rank_writes_nothing(tmp_path):
     log.log(0, {"a": 1.0})
     log.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_thread_clock_counts_this_threads_cpu_and_its_run_queue_wait():
+    import math as _math
+    import threading
+
+    from megatron_acrl.logging import thread_clock
+    from megatron_acrl.train import phase_metrics
+
+    c0 = thread_clock()
+    sum(i * i for i in range(200_000))  # CPU work on this thread
+    c1 = thread_clock()
+    assert c1[0] > c0[0]
+    assert _math.isnan(c1[1]) or c1[1] >= c0[1] >= 0.0
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(thread_clock()))
+    t.start()
+    t.join()
+    assert other[0][0] < c1[0]  # a new thread's own clock, not the process's
+    import torch
+
+    m = phase_metrics({"loss_mask": torch.ones(2, 3)}, (0.0, 1.0, 1.5, 2.5, 3.0), (c0, c1))
+    assert m["time/train"] == 1.0 and m["time/train_cpu"] == c1[0] - c0[0]
+    assert "time/train_runq" in m and "time/train_cpu" not in phase_metrics(
+        {"loss_mask": torch.ones(2, 3)}, (0.0, 1.0, 1.5, 2.5, 3.0)
+    )
