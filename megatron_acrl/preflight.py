@@ -182,6 +182,21 @@ def _check_prompt_lengths(cfg: Config, task: Task, tok: Any) -> Errors:
 # -- servers and W&B ------------------------------------------------------------------------------
 
 
+def allowed_cores(cpuset: Path = Path("/sys/fs/cgroup/cpuset.cpus.effective")) -> set[int]:
+    """The cores a server this run starts may be given: the job's cgroup cpuset where there is one,
+    else every core of the host. Not this process's own affinity: the trainer may be pinned to
+    other cores than its servers (a server is bound between fork and exec, which a cpuset allows)."""
+    try:
+        text = cpuset.read_text().strip()
+    except OSError:
+        text = ""
+    cores: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores or set(range(os.cpu_count() or 1))
+
+
 def check_servers(cfg: Config) -> Errors:
     """What the servers the driver starts (or is given) need here: their cores, their key, FP8 on
     their device."""
@@ -190,15 +205,15 @@ def check_servers(cfg: Config) -> Errors:
 
     errors: Errors = []
     r = cfg.rollout
-    if r.server_cpus and hasattr(os, "sched_getaffinity"):
-        mine = os.sched_getaffinity(0)
-        absent = [c for c in r.server_cpus if c not in mine]
+    if r.server_cpus:
+        allowed = allowed_cores()
+        absent = [c for c in r.server_cpus if c not in allowed]
         if absent:
             errors.append(
                 (
                     "rollout.server_cpus",
-                    f"names core(s) {absent} this process cannot run on (it may use {sorted(mine)}); "
-                    "choose cores from those, or [] to share every core",
+                    f"names core(s) {absent} this machine (or this job's cpuset) does not have (it "
+                    f"has {sorted(allowed)}); choose cores from those, or [] to share every core",
                 )
             )
     for check in (

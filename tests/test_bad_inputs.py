@@ -11,6 +11,7 @@ failed late (with a traceback, some after the server started) before the pre-fli
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -297,3 +298,21 @@ def test_cli_exits_2_on_a_broken_data_file(tmp_path: Path) -> None:
     assert "task.data_path" in out.stderr and "data.jsonl:4: expected a JSON object" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_server_cores_are_the_machines_not_the_trainers(tmp_path: Path) -> None:
+    """A trainer pinned to core 0 may start its server on core 1 (the async benchmark's layout): the
+    check reads the job's cpuset, not the trainer's own affinity."""
+    from megatron_acrl.preflight import allowed_cores
+
+    cpuset = tmp_path / "cpuset.cpus.effective"
+    cpuset.write_text("0-2,5\n")
+    assert allowed_cores(cpuset) == {0, 1, 2, 5}
+    assert allowed_cores(tmp_path / "absent") == set(range(os.cpu_count() or 1))
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        mine = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, {min(mine)})
+            assert max(mine) in allowed_cores()
+        finally:
+            os.sched_setaffinity(0, mine)
