@@ -23,8 +23,8 @@ torch's default timeout (30 min; ``/init_weights_update_group`` takes none). Wit
 group closes its connections, so every server's receive fails at once ("Connection closed by
 peer", answered as a failed bucket, the server alive), exactly as when the source's process dies;
 the coordinator's update then fails naming this source, and a new synchronizer (a new generation of
-groups) recovers. On NCCL a receive does not see its peer go: the servers wait for their group's
-timeout (docs/bridge.md).
+groups) recovers. On NCCL (not measured) a receive is not expected to see its peer go: the
+servers would wait for their group's timeout (docs/bridge.md).
 """
 
 from __future__ import annotations
