@@ -133,7 +133,10 @@ def test_a_failing_source_fails_the_sync_by_name_and_the_retry_recovers(ranks: l
     assert "stage 0/2, EP rank 1/2 (rank 1)" in failure and "simulated failure" in failure, failure
     assert "PAUSED" in failure and "connect() a new one" in failure
     assert got["after"]["version"] == "pp2_ep2_failing_source"
-    assert got["after"]["delta"] < TOL["moe"], got["after"]
+    # The mean |delta|: on this MoE model the max after a clean sync is itself 0.1-1.3 (ep2,
+    # pp2_ep2: deterministic, see test_server_logprobs_equal_the_trainers_after_a_sync), while the
+    # mean separates the new weights served (measured <= 0.075) from old ones (2.6 before a sync).
+    assert got["after"]["mean"] < TOL["moe"], got["after"]
     assert got["metrics"]["sync/restarts"] == 0.0  # reconnected, not restarted
 
 
