@@ -16,8 +16,8 @@ Its side of one sync, over the :class:`~sglang_bridge.weight_sync.control.Contro
 4. wait for the result of the whole update. A failure here is reported to the coordinator, which
    fails the update naming this source.
 
-A source that fails while sending (its stream raises between buckets, a broadcast fails) first
-tears its update group down, then says so: the servers may already wait in its broadcast (the
+A source that fails while sending (its stream raises between buckets, a broadcast fails) says so,
+then tears its update group down: the servers may already wait in its broadcast (the
 coordinator posts a bucket's request before the source sends it), and SGLang's end of the group has
 torch's default timeout (30 min; ``/init_weights_update_group`` takes none). With gloo, closing the
 group closes its connections, so every server's receive fails at once ("Connection closed by
@@ -259,12 +259,12 @@ class WeightSource:
             return n_bytes  # the result says why
         except BaseException as e:
             why = f"{self.label}: {type(e).__name__}: {e}"
-            # Torn down first: the coordinator, told below, waits for the servers' answers to the
-            # requests it already posted, and a server in this source's broadcast answers only once
-            # its receive fails.
-            self._tear_down(seq)
             for r in pending:  # the coordinator waits for one of these
                 self.control.put(f"joined/{seq}/{r}", {"error": why})
+            # Then torn down: the coordinator waits for the servers' answers to the requests it
+            # already posted, and a server in this source's broadcast answers only once its receive
+            # fails. Told first, so that the coordinator names why (not the server's lost peer).
+            self._tear_down(seq)
             raise
         finally:
             packer.shutdown()
