@@ -90,7 +90,8 @@ def _samples(url: str, temperature: float) -> list[Any]:
 
 def trainer_delta(trainer: Any, url: str, rank: int) -> dict[str, Any]:
     """Rank 0 samples the prompts on the server; every rank scores the same tokens with the trainer;
-    rank 0 returns max |server - trainer| log-prob over the generated tokens and the version."""
+    rank 0 returns max and mean |server - trainer| log-prob over the generated tokens and the
+    version."""
     from megatron_acrl.distributed import broadcast_object
 
     samples = _samples(url, trainer.cfg.rollout.temperature) if rank == 0 else None
@@ -107,7 +108,7 @@ def trainer_delta(trainer: Any, url: str, rank: int) -> dict[str, Any]:
         for i, s in enumerate(samples)
         for a, b in zip(s.rollout_logprobs, lp[i, len(s.prompt_ids) : len(seqs[i])].tolist(), strict=True)
     ]
-    return {"delta": max(deltas), "version": samples[0].weight_version}
+    return {"delta": max(deltas), "mean": sum(deltas) / len(deltas), "version": samples[0].weight_version}
 
 
 def _perturbed(base: dict[str, torch.Tensor], seed: int, fp8: bool) -> dict[str, torch.Tensor]:

@@ -60,9 +60,9 @@ CASES = [
     dict(name="ep2_fp8", kind="moe", layout=dict(ep=2), fp8=True, seed=2),
     dict(name="pp2_ep2", kind="moe", layout=dict(pp=2, ep=2), seed=3),
     dict(name="pp2_ep2_fp8", kind="moe", layout=dict(pp=2, ep=2), fp8=True, seed=4),
-    # A source that raises mid-stream (pp2_ep2, fail_on=1) left the servers blocked inside that
-    # source's broadcast (measured: 20 min, until its ranks were killed), so the driver's reconnect
-    # could not run. Left out until a failed source tears its update group down (known defect).
+    # A source that raises mid-stream (its process alive): it tears its update group down, so the
+    # server's receive fails at once rather than at the group's 30 min timeout; the driver reconnects.
+    dict(name="pp2_ep2_failing_source", kind="moe", layout=dict(pp=2, ep=2), seed=5, fail_on=1),
     # The memory bound, on a model large enough to resolve it: FP8 on the way, 2 MiB buckets.
     dict(name="mem_pp2_tp2", **MEM),
     dict(name="mem_NEGATIVE_held", **MEM, seed=2, hold=True),
@@ -126,7 +126,6 @@ def test_a_renamed_tensor_on_one_stage_is_refused_before_anything_is_sent(ranks:
     assert all("error" in r["pp2_renamed"] for r in ranks)
 
 
-@pytest.mark.skip(reason="known defect: a source that fails mid-bucket leaves the servers in its broadcast")
 def test_a_failing_source_fails_the_sync_by_name_and_the_retry_recovers(ranks: list[dict]) -> None:
     got = ranks[0]["pp2_ep2_failing_source"]
     assert "error" not in got, got.get("error")
@@ -134,7 +133,10 @@ def test_a_failing_source_fails_the_sync_by_name_and_the_retry_recovers(ranks: l
     assert "stage 0/2, EP rank 1/2 (rank 1)" in failure and "simulated failure" in failure, failure
     assert "PAUSED" in failure and "connect() a new one" in failure
     assert got["after"]["version"] == "pp2_ep2_failing_source"
-    assert got["after"]["delta"] < TOL["moe"], got["after"]
+    # The mean |delta|: on this MoE model the max after a clean sync is itself 0.1-1.3 (ep2,
+    # pp2_ep2: deterministic, see test_server_logprobs_equal_the_trainers_after_a_sync), while the
+    # mean separates the new weights served (measured <= 0.075) from old ones (2.6 before a sync).
+    assert got["after"]["mean"] < TOL["moe"], got["after"]
     assert got["metrics"]["sync/restarts"] == 0.0  # reconnected, not restarted
 
 

@@ -169,7 +169,15 @@ class RemoteSources:
         pause = 0.0002
         while (got := self.control.poll(key)) is None:
             if f.fut.done():
-                finish(f)
+                try:
+                    finish(f)
+                except WeightSyncError as e:
+                    # A source that failed reports why before it tears its group down, which is
+                    # what fails the servers' receive: its reason, not the lost peer, names it.
+                    got = self.control.poll(key)
+                    if got is not None and "error" in got:
+                        raise WeightSyncError(f"{f.source} failed: {got['error']}") from e
+                    raise
                 if (got := self.control.poll(key)) is None:
                     return  # every server loaded it: joined, whatever the source says later
                 break

@@ -15,6 +15,16 @@ Its side of one sync, over the :class:`~sglang_bridge.weight_sync.control.Contro
    broadcast it, and say once every server has joined;
 4. wait for the result of the whole update. A failure here is reported to the coordinator, which
    fails the update naming this source.
+
+A source that fails while sending (its stream raises between buckets, a broadcast fails) says so,
+then tears its update group down: the servers may already wait in its broadcast (the
+coordinator posts a bucket's request before the source sends it), and SGLang's end of the group has
+torch's default timeout (30 min; ``/init_weights_update_group`` takes none). With gloo, closing the
+group closes its connections, so every server's receive fails at once ("Connection closed by
+peer", answered as a failed bucket, the server alive), exactly as when the source's process dies;
+the coordinator's update then fails naming this source, and a new synchronizer (a new generation of
+groups) recovers. On NCCL (not measured) a receive is not expected to see its peer go: the
+servers would wait for their group's timeout (docs/bridge.md).
 """
 
 from __future__ import annotations
@@ -84,6 +94,8 @@ class WeightSource:
         self.device = torch.device(device)
         self.group: dist.ProcessGroup | None = None
         self.gen = 0
+        self.torn_down: tuple[int, int] | None = None
+        """(generation, sync) of the group this source tore down after a failed send (None: none)."""
         self.seq: int | None = None
         """The last sync this source took part in (None: none yet)."""
         self._send_buffers = SendBuffers(self.device)
@@ -94,6 +106,14 @@ class WeightSource:
         """Be in this generation's group: leave the old one, host, register and join the new one."""
         if self.group is not None and self.gen == info["gen"]:
             return
+        if self.torn_down is not None and self.torn_down[0] == info["gen"]:
+            # The servers still hold this generation's group, broken: a new one under its name
+            # would wait for servers that never join it.
+            raise WeightSyncError(
+                f"{self.label}: its update group was torn down when weight sync {self.torn_down[1]} "
+                "failed; close() the coordinator's synchronizer and connect() a new one (new update "
+                "groups), then sync again"
+            )
         self._leave()
         timeout = timedelta(seconds=float(info["timeout_s"]))
         world = int(info["world"])
@@ -108,12 +128,31 @@ class WeightSource:
         log.info("%s: weight-update group %s ready (world %d)", self.label, name, world)
 
     def _leave(self) -> None:
+        """Destroy this source's update group. The last reference goes with it (``group`` is local
+        here): only then does torch destroy the backend, and gloo close its connections."""
         if self.group is not None:
             group, self.group = self.group, None
             try:
                 dist.destroy_process_group(group)
             except Exception as e:  # noqa: BLE001 - a group the servers left is gone either way
                 log.warning("%s: leaving the old update group: %s", self.label, e)
+            del group
+
+    def _tear_down(self, seq: int) -> None:
+        """After a failed send of sync ``seq``: close the group, so that a server waiting in this
+        source's broadcast fails its receive now rather than at its group's timeout."""
+        if self.group is None:
+            return
+        t = time.perf_counter()
+        self._leave()
+        self.torn_down = (self.gen, seq)
+        log.warning(
+            "%s: weight sync %d failed while sending; update group torn down in %.2fs (the servers' "
+            "receive fails now)",
+            self.label,
+            seq,
+            time.perf_counter() - t,
+        )
 
     def close(self) -> None:
         """Leave the update group (idempotent)."""
@@ -222,6 +261,10 @@ class WeightSource:
             why = f"{self.label}: {type(e).__name__}: {e}"
             for r in pending:  # the coordinator waits for one of these
                 self.control.put(f"joined/{seq}/{r}", {"error": why})
+            # Then torn down: the coordinator waits for the servers' answers to the requests it
+            # already posted, and a server in this source's broadcast answers only once its receive
+            # fails. Told first, so that the coordinator names why (not the server's lost peer).
+            self._tear_down(seq)
             raise
         finally:
             packer.shutdown()

@@ -65,7 +65,8 @@ def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 
 def _source(address: tuple[str, int], path: str, out: str, plan: list[dict[str, Any]]) -> None:
     """A source process: one sync per entry of ``plan`` with the tensors saved at ``path``, each
-    optionally renaming one tensor, or killing this process after ``kill_after`` tensors."""
+    optionally renaming one tensor, killing this process after ``kill_after`` tensors, or raising
+    after ``raise_after`` (the process lives on, and takes part in the next entry's sync)."""
     control = ControlStore.join(*address, timeout_s=60)
     source = WeightSource(control, 1, label="stage 1")
     named = torch.load(path)
@@ -73,10 +74,16 @@ def _source(address: tuple[str, int], path: str, out: str, plan: list[dict[str, 
     for step in plan:
         items = [(n + step.get("suffix", "") if i == 0 else n, t) for i, (n, t) in enumerate(named)]
 
-        def stream(items: list = items, kill: int | None = step.get("kill_after")) -> Iterator:
+        def stream(
+            items: list = items,
+            kill: int | None = step.get("kill_after"),
+            fail: int | None = step.get("raise_after"),
+        ) -> Iterator:
             for i, item in enumerate(items):
                 if i == kill:
                     os.kill(os.getpid(), signal.SIGKILL)  # this source dies mid-sync
+                if i == fail:
+                    raise RuntimeError("simulated failure of this source mid-stream")
                 yield item
 
         try:
@@ -266,6 +273,39 @@ def test_a_source_killed_mid_sync_fails_it_by_name_and_a_new_synchronizer_recove
     assert sources.join(out)[0]["ok"]
     versions, delta = _served(sglang_server.url, tiny_ckpt, named)
     assert versions == {"recovered"} and delta < 1e-2
+
+
+def test_a_source_failing_mid_sync_fails_it_by_name_and_a_new_synchronizer_recovers(
+    sglang_server: SGLangServer, manifest: Manifest, tiny_ckpt: Path, restore: dict, sources: Sources
+) -> None:
+    """A source whose stream raises between buckets, its process alive: it tears its update group
+    down, so the server's receive of its bucket fails at once (not at the group's 30 min timeout)
+    and the update fails naming it; the same synchronizer is then refused before anything is sent
+    (that source's group is gone), and a new synchronizer recovers with the same source process."""
+    named = _perturbed(restore, seed=14)
+    mine, theirs = _split(named)
+    out = sources.start(theirs, [{"raise_after": 5}, {}, {}])
+    sync = _coordinator(sglang_server.url, manifest, sources.control)
+    try:
+        with pytest.raises(WeightSyncError, match="PAUSED") as err:
+            sync.sync(iter(mine), "failing", meta=_meta(mine))
+        with pytest.raises(WeightSyncError, match="torn down") as again:
+            sync.sync(iter(mine), "same-synchronizer", meta=_meta(mine))
+    finally:
+        sync.close()
+    msg = str(err.value)
+    assert "stage 1" in msg and "simulated failure" in msg and "connect() a new one" in msg, msg
+    assert "stage 1" in str(again.value) and "connect() a new one" in str(again.value), again.value
+    sync = _coordinator(sglang_server.url, manifest, sources.control)
+    try:
+        sync.sync(iter(mine), "recovered-live", meta=_meta(mine))
+    finally:
+        sync.close()
+    got = sources.join(out)
+    assert isinstance(got, list) and [r["ok"] for r in got] == [False, False, True], got
+    assert "simulated failure" in got[0]["error"] and "torn down" in got[1]["error"], got
+    versions, delta = _served(sglang_server.url, tiny_ckpt, named)
+    assert versions == {"recovered-live"} and delta < 1e-2
 
 
 # -- no server: the layouts and the order ----------------------------------------------------------
