@@ -806,6 +806,14 @@ class CorrectionConfig(_Section):
     reference_batches: int = 1
     """acrl: rollout batches averaged into the static reference X."""
 
+    reference_lag: int | None = None
+    """acrl: the smallest sampling lag (trainer version minus the oldest weight version among a
+    batch's trained tokens) a batch needs to be measured into the reference X; earlier batches get
+    alpha = 0 (``acrl/reference_deferred``). null: the run's own lag, ``rollout.weight_lag_steps``
+    plus 1 in async mode: a lagged or async run's first batches are sampled closer to the trainer's
+    weights than every later one, so an X measured there makes every later Y/X large (async K = 1 on
+    the demo: Y/X 6-50, |alpha| 5-14). 0: every batch (the paper's law as written)."""
+
     ema_decay: float = 0.9
     """acrl: X_t = decay * X_{t-1} + (1 - decay) * Y_t when reference is ema."""
 
@@ -869,6 +877,8 @@ class CorrectionConfig(_Section):
         )
         _check(e, self.gamma >= 0, "gamma", f"must be >= 0 (0 disables the correction), got {self.gamma}")
         _check(e, self.reference_batches >= 1, "reference_batches", "must be >= 1")
+        lag_ok = self.reference_lag is None or self.reference_lag >= 0
+        _check(e, lag_ok, "reference_lag", "must be >= 0 or null")
         _check(e, 0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         _check(e, self.alpha_max is None or self.alpha_max >= 0, "alpha_max", "must be >= 0 or null")
         _check(e, self.weight_low is None or self.weight_low >= 0, "weight_low", "must be >= 0 or null")

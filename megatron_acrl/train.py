@@ -62,7 +62,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
             tb["values"] = ctx.critic.forward_values(tb)["values"]
         tb["advantages"], adv_m = compute_advantages(tb, cfg)
         m.update(adv_m)
-        m.update(policy.update_controller(tb))  # ACRL: once per rollout batch
+        m.update(policy.update_controller(tb, trainer_version=step))  # ACRL: once per rollout batch
         t2 = time.perf_counter()
         for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
             m.update(policy.train_step(mb))

@@ -385,3 +385,40 @@ def test_a_resume_after_deferred_batches_keeps_its_count_of_measured_ones():
     for y in (0.04, 0.06, 0.5):
         assert b.update(stats(y)) == a.update(stats(y))
     assert b.signal().x == pytest.approx(0.04)
+
+
+def test_the_reference_waits_for_the_runs_own_lag():
+    """Async K = 1 (or a weight lag L): the first batch is sampled at lag 0, every later one at lag
+    >= 1; an X measured on lag 0 made Y/X 6-50 for the rest of the demo. With reference_lag = 1 the
+    lag-0 batch is deferred (alpha = 0) and the first lag-1 batch becomes X; a batch of unknown lag
+    (a recording without versions) is measured as before."""
+    cfg = CorrectionConfig(method="acrl")
+    ctl = AcrlController(cfg, reference_lag=1)
+    assert ctl.update(stats(0.001), lag=0).deferred
+    sig = ctl.update(stats(0.03), lag=1)
+    assert not sig.deferred and sig.x == pytest.approx(0.03)
+    assert ctl.update(stats(0.06), lag=1).y_over_x(cfg.eps) == pytest.approx(2.0)
+    assert AcrlController(cfg, reference_lag=1).update(stats(0.001), lag=None).x == pytest.approx(0.001)
+    assert AcrlController(cfg).update(stats(0.001), lag=0).x == pytest.approx(0.001)  # the paper's law
+
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
+
+
+def test_the_default_reference_lag_is_the_runs_lag():
+    from megatron_acrl.config import load_config
+    from megatron_acrl.megatron.policy import acrl_reference_lag, batch_lag
+
+    def lag(*overrides: str) -> int:
+        return acrl_reference_lag(load_config(DEMO, list(overrides)))
+
+    assert lag() == 0
+    assert lag("rollout.mode=async", "rollout.max_staleness=2") == 1
+    assert lag("rollout.weight_lag_steps=8") == 8
+    assert lag("rollout.weight_lag_steps=8", "correction.reference_lag=0") == 0
+    with pytest.raises(ConfigError, match="reference_lag"):
+        load_config(DEMO, ["correction.reference_lag=-1"])
+    versions = torch.tensor([[-1, 3, 4], [-1, 5, 5]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    assert batch_lag({"token_versions": versions, "loss_mask": mask}, trainer_version=5) == 2
+    assert batch_lag({"loss_mask": mask}, trainer_version=5) is None

@@ -165,8 +165,9 @@ class AcrlController:
 
     STATE_VERSION = 2
 
-    def __init__(self, cfg: CorrectionConfig):
+    def __init__(self, cfg: CorrectionConfig, reference_lag: int = 0):
         self.cfg = cfg
+        self.reference_lag = reference_lag  # batches sampled at a smaller lag are not measured into X
         self.floor = reference_floor(cfg)
         self.num_updates = 0
         self._reset_reference()
@@ -179,11 +180,14 @@ class AcrlController:
         self.x: float | None = None  # reference for the current batch (None: deferred)
         self._x_next: float | None = None  # reference for the next batch
 
-    def update(self, stats: Tensor | tuple[float, float]) -> AcrlSignal:
+    def update(self, stats: Tensor | tuple[float, float], lag: int | None = None) -> AcrlSignal:
         """Observe one rollout batch.
 
         Args:
             stats: ``[2]`` globally reduced (sum of per-sequence Y_i, number of sequences).
+            lag: the batch's sampling lag (trainer version minus its oldest token's weight version);
+                below ``reference_lag`` the batch is not measured into the reference. None: unknown
+                (a recording without versions), measured.
         Returns:
             The signal for this batch (also available as :meth:`signal`).
         """
@@ -196,7 +200,8 @@ class AcrlController:
         self.y = y
         cfg = self.cfg
         if self.ref_count < cfg.reference_batches:
-            if y >= self.floor:  # measurable: into the reference (until then, X stays None)
+            at_lag = lag is None or lag >= self.reference_lag  # sampled at the run's own lag
+            if y >= self.floor and at_lag:  # measurable: into the reference (until then, X stays None)
                 self.ref_sum += y
                 self.ref_count += 1
                 self._x_next = self.ref_sum / self.ref_count

@@ -85,7 +85,11 @@ class Policy(ModelTrainer):
             norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens,
             loss_fn=loss_fn,
         )
-        self.controller = AcrlController(cfg.correction) if cfg.correction.method == "acrl" else None
+        self.controller = (
+            AcrlController(cfg.correction, reference_lag=acrl_reference_lag(cfg))
+            if cfg.correction.method == "acrl"
+            else None
+        )
         self._own_routing: torch.Tensor | None = None  # [N, L, local MoE layers, k], last pi_old pass
         self._applied_routing: torch.Tensor | None = None  # what those routers used (after replay)
         if cfg.model.is_moe:
@@ -266,11 +270,15 @@ class Policy(ModelTrainer):
     # ACRL controller
     # ----------------------------------------------------------------------------------------
 
-    def update_controller(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def update_controller(
+        self, batch: Mapping[str, torch.Tensor], trainer_version: int | None = None
+    ) -> dict[str, float]:
         """Observe one rollout batch (call once, before its first optimizer step).
 
         Statistics of this DP rank's sequences are all-reduced (SUM) over DP on the last stage,
-        the controller is updated there and its state broadcast over the pipeline group.
+        the controller is updated there and its state broadcast over the pipeline group. With
+        ``trainer_version`` and the batch's ``token_versions`` ``[N, L]``, the batch's sampling lag
+        decides whether it may be measured into the reference (``correction.reference_lag``).
         Returns the controller's metrics (empty when the method is not acrl).
         """
         if self.controller is None:
@@ -290,7 +298,7 @@ class Policy(ModelTrainer):
                 self.cfg.correction.distance,
             )
             dist.all_reduce(stats, group=self.pg.dp)
-            self.controller.update(stats)
+            self.controller.update(stats, lag=batch_lag(batch, trainer_version))
             state = self.controller.state_dict()
         state = self._broadcast_from_last_stage(state)
         self.controller.load_state_dict(state)
@@ -443,3 +451,25 @@ class Policy(ModelTrainer):
         """Resume from ``directory/step_<step>`` or, by default, the step ``latest.json`` names (if
         present); returns whether a checkpoint was loaded."""
         return self._load_latest(directory, step)
+
+
+def acrl_reference_lag(cfg: Config) -> int:
+    """The sampling lag a batch needs to be measured into ACRL's reference X: ``correction.
+    reference_lag``, or by default the run's own lag (``rollout.weight_lag_steps``, plus 1 in async
+    mode, where batch t is sampled while batch t - 1 trains)."""
+    if cfg.correction.reference_lag is not None:
+        return cfg.correction.reference_lag
+    return cfg.rollout.weight_lag_steps + (1 if cfg.rollout.mode == "async" else 0)
+
+
+def batch_lag(batch: Mapping[str, torch.Tensor], trainer_version: int | None) -> int | None:
+    """The largest lag ``trainer_version - version`` over the batch's trained tokens (``token_versions``
+    ``[N, L]``, ``loss_mask`` ``[N, L]``); None without versions. The whole batch, not a DP slice: every
+    DP rank must reach the same decision."""
+    versions = batch.get("token_versions")
+    if versions is None or trainer_version is None:
+        return None
+    valid = (batch["loss_mask"] > 0) & (versions >= 0)
+    if not bool(valid.any()):
+        return None
+    return trainer_version - int(versions[valid].min())
