@@ -236,7 +236,10 @@ class DistributedWeightSynchronizer(UpdateLifecycle, WeightSynchronizer):
                     self._remote.destroy()
             except Exception as e:  # a dead server must not block the trainer's shutdown
                 log.warning("destroy_weights_update_group failed: %s", e)
-            dist.destroy_process_group(self.group)
+            try:
+                dist.destroy_process_group(self.group)
+            except ValueError as e:  # already gone: the process destroyed every group (WORLD) first
+                log.warning("the weight-update group was already destroyed: %s", e)
             self.group = None
         self._calls.close()
 
