@@ -539,29 +539,34 @@ class RolloutConfig(_Section):
                 f"must be an http(s) URL like http://node1:30000, got {url!r}",
             )
         self._check_key(e)
-        if self.server_cpus:
-            cpus = self.server_cpus
-            _check(
-                e,
-                all(isinstance(c, int) and c >= 0 for c in cpus) and len(set(cpus)) == len(cpus),
-                "server_cpus",
-                f"must be distinct core numbers >= 0, got {list(cpus)}",
-            )
-            _check(
-                e,
-                len(cpus) % self.num_servers == 0 if self.num_servers >= 1 else True,
-                "server_cpus",
-                f"{len(cpus)} cores do not split evenly among num_servers={self.num_servers}; "
-                f"give a multiple of {self.num_servers} cores or [] to share every core",
-            )
-            _check(
-                e,
-                not self.server_urls,
-                "server_cpus",
-                "binds only servers the driver starts itself; servers at server_urls are started "
-                "(and bound) elsewhere: set it to []",
-            )
+        self._check_server_cpus(e)
         return e + self._router_checks()
+
+    def _check_server_cpus(self, e: list[tuple[str, str]]) -> None:
+        """``server_cpus``: distinct cores, an even split among the servers, only servers we start."""
+        if not self.server_cpus:
+            return
+        cpus = self.server_cpus
+        _check(
+            e,
+            all(isinstance(c, int) and c >= 0 for c in cpus) and len(set(cpus)) == len(cpus),
+            "server_cpus",
+            f"must be distinct core numbers >= 0, got {list(cpus)}",
+        )
+        _check(
+            e,
+            len(cpus) % self.num_servers == 0 if self.num_servers >= 1 else True,
+            "server_cpus",
+            f"{len(cpus)} cores do not split evenly among num_servers={self.num_servers}; "
+            f"give a multiple of {self.num_servers} cores or [] to share every core",
+        )
+        _check(
+            e,
+            not self.server_urls,
+            "server_cpus",
+            "binds only servers the driver starts itself; servers at server_urls are started "
+            "(and bound) elsewhere: set it to []",
+        )
 
     def _router_checks(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
@@ -875,6 +880,12 @@ class CorrectionConfig(_Section):
             "veto_threshold",
             "must be in (0, 1) or null",
         )
+        _check(e, len(set(self.masks)) == len(self.masks), "masks", "lists a mask twice")
+        return e + self._acrl_errors()
+
+    def _acrl_errors(self) -> list[tuple[str, str]]:
+        """The ACRL controller's and weights' fields."""
+        e: list[tuple[str, str]] = []
         _check(e, self.gamma >= 0, "gamma", f"must be >= 0 (0 disables the correction), got {self.gamma}")
         _check(e, self.reference_batches >= 1, "reference_batches", "must be >= 1")
         lag_ok = self.reference_lag is None or self.reference_lag >= 0
@@ -884,7 +895,6 @@ class CorrectionConfig(_Section):
         _check(e, self.weight_low is None or self.weight_low >= 0, "weight_low", "must be >= 0 or null")
         if self.weight_low is not None and self.weight_high is not None:
             _check(e, self.weight_low < self.weight_high, "weight_low", "must be smaller than weight_high")
-        _check(e, len(set(self.masks)) == len(self.masks), "masks", "lists a mask twice")
         _check(e, self.eps > 0, "eps", "must be > 0")
         _check(
             e,

@@ -10,7 +10,7 @@ and probes what it will write:
 * the tokenizer against ``model.vocab_size`` (a token id past the embedding table);
 * the run directory, ``training.checkpoint_dir``, ``--save-rollouts`` (a directory, or creatable,
   and writable: a file is probed into the nearest existing directory) and ``--load-rollouts``;
-* the servers the driver starts: ``rollout.server_cpus`` against the cores this process may use,
+* the servers the driver starts: ``rollout.server_cpus`` against the host's cores (the job's cpuset),
   the key ``rollout.api_key_env`` names, and ``rollout.fp8_mode`` on the device the servers get;
 * ``logging.wandb_mode: online`` against the W&B credentials.
 
@@ -124,9 +124,9 @@ def load_tokenizer(cfg: Config) -> tuple[Any, str]:
 
     path = cfg.model.tokenizer_path or cfg.model.hf_path
     if path is None:
-        from megatron_acrl.tiny_model import build_tokenizer
+        from megatron_acrl.tiny_model import build_tokenizer, tiny_tokenizer_vocab
 
-        path = str(build_tokenizer(min(cfg.model.vocab_size, 320)))  # as tiny_model.build_checkpoint
+        path = str(build_tokenizer(tiny_tokenizer_vocab(cfg.model)))  # the one the checkpoint carries
     return AutoTokenizer.from_pretrained(str(path)), str(path)
 
 
@@ -182,31 +182,17 @@ def _check_prompt_lengths(cfg: Config, task: Task, tok: Any) -> Errors:
 # -- servers and W&B ------------------------------------------------------------------------------
 
 
-def allowed_cores(cpuset: Path = Path("/sys/fs/cgroup/cpuset.cpus.effective")) -> set[int]:
-    """The cores a server this run starts may be given: the job's cgroup cpuset where there is one,
-    else every core of the host. Not this process's own affinity: the trainer may be pinned to
-    other cores than its servers (a server is bound between fork and exec, which a cpuset allows)."""
-    try:
-        text = cpuset.read_text().strip()
-    except OSError:
-        text = ""
-    cores: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores or set(range(os.cpu_count() or 1))
-
-
 def check_servers(cfg: Config) -> Errors:
     """What the servers the driver starts (or is given) need here: their cores, their key, FP8 on
     their device."""
     from megatron_acrl.rollout_servers import run_api_key
     from megatron_acrl.server_weights import check_fp8_mode, resolve_device, resolve_fp8_mode
+    from sglang_bridge.server_spec import host_cores
 
     errors: Errors = []
     r = cfg.rollout
     if r.server_cpus:
-        allowed = allowed_cores()
+        allowed = host_cores()
         absent = [c for c in r.server_cpus if c not in allowed]
         if absent:
             errors.append(

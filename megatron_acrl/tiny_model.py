@@ -180,6 +180,12 @@ def _hf_config(d: dict[str, Any]) -> Any:
     return c
 
 
+def tiny_tokenizer_vocab(cfg: ModelConfig) -> int:
+    """The vocabulary of the tiny tokenizer a checkpoint of ``cfg`` carries: small (at most 320),
+    whatever the embedding table's size."""
+    return min(cfg.vocab_size, 320)
+
+
 def build_checkpoint(
     cfg: ModelConfig,
     *,
@@ -222,7 +228,7 @@ def build_checkpoint(
         if f.name
         not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff", "moe_routing_replay")
     }
-    tok_vocab = min(cfg.vocab_size, 320)  # the tokenizer stays small; the embedding may be larger
+    tok_vocab = tiny_tokenizer_vocab(cfg)
     groups = _init_groups(
         cfg,
         router=router_init_range,

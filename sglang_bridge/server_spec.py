@@ -115,11 +115,11 @@ class ServerSpec:
         """Raise ValueError naming the cores of :attr:`cpus` this host does not have."""
         if self.cpus is None:
             return
-        n = os.cpu_count() or 1
-        if missing := sorted(c for c in self.cpus if c >= n):
+        have = host_cores()
+        if missing := sorted(c for c in self.cpus if c not in have):
             raise ValueError(
-                f"ServerSpec.cpus: cores {missing} do not exist on this host (cores 0-{n - 1}); "
-                "pick cores from that range"
+                f"ServerSpec.cpus: cores {missing} do not exist on this host or in this job's cpuset "
+                f"(cores {sorted(have)}); pick cores from those"
             )
 
     def command(self, port: int, key_file: str | Path | None = None) -> list[str]:
@@ -190,3 +190,18 @@ class ServerSpec:
         if self.api_key:
             env = {k: v for k, v in env.items() if v != self.api_key}
         return env
+
+
+def host_cores(cpuset: Path = Path("/sys/fs/cgroup/cpuset.cpus.effective")) -> set[int]:
+    """The cores a server may be bound to: the job's cgroup cpuset where there is one, else every core
+    of the host. Not the caller's own affinity: a trainer pinned to core 0 may start its server on
+    core 1 (a server is bound between fork and exec, which the cpuset allows)."""
+    try:
+        text = cpuset.read_text().strip()
+    except OSError:
+        text = ""
+    cores: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores or set(range(os.cpu_count() or 1))

@@ -303,16 +303,16 @@ def test_cli_exits_2_on_a_broken_data_file(tmp_path: Path) -> None:
 def test_server_cores_are_the_machines_not_the_trainers(tmp_path: Path) -> None:
     """A trainer pinned to core 0 may start its server on core 1 (the async benchmark's layout): the
     check reads the job's cpuset, not the trainer's own affinity."""
-    from megatron_acrl.preflight import allowed_cores
+    from sglang_bridge.server_spec import host_cores
 
     cpuset = tmp_path / "cpuset.cpus.effective"
     cpuset.write_text("0-2,5\n")
-    assert allowed_cores(cpuset) == {0, 1, 2, 5}
-    assert allowed_cores(tmp_path / "absent") == set(range(os.cpu_count() or 1))
+    assert host_cores(cpuset) == {0, 1, 2, 5}
+    assert host_cores(tmp_path / "absent") == set(range(os.cpu_count() or 1))
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         mine = os.sched_getaffinity(0)
         try:
             os.sched_setaffinity(0, {min(mine)})
-            assert max(mine) in allowed_cores()
+            assert max(mine) in host_cores()
         finally:
             os.sched_setaffinity(0, mine)

@@ -17,6 +17,7 @@ from bridge_helpers import PROMPTS, hf_logprobs, load_hf
 
 from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
 from sglang_bridge.server import ServerSpec, ServerStartError, SGLangServer
+from sglang_bridge.server_spec import host_cores
 
 
 def test_generate_logprobs_match_transformers(sglang_server: SGLangServer, tiny_ckpt: Path) -> None:
@@ -165,9 +166,9 @@ def test_server_cpus_are_checked_before_launch(tmp_path: Path) -> None:
     for bad in ((), (0, 0), (-1,)):
         with pytest.raises(ValueError, match=r"ServerSpec.cpus=.*distinct core numbers"):
             ServerSpec(model_path="m", cpus=bad)
-    n = os.cpu_count() or 1
+    n = max(host_cores()) + 1
     srv = SGLangServer(ServerSpec(model_path="m", cpus=(0, n)), tmp_path / "x.log")
-    with pytest.raises(ValueError, match=rf"cores \[{n}\] do not exist on this host \(cores 0-{n - 1}\)"):
+    with pytest.raises(ValueError, match=rf"cores \[{n}\] do not exist on this host or in this job's cpuset"):
         srv.launch()
     assert not srv.alive()
 
