@@ -15,13 +15,13 @@ from megatron_acrl.config import (
     ConfigError,
     CorrectionConfig,
     ParallelConfig,
-    _field_docs,
     config_from_dict,
     config_to_dict,
     explain,
     load_config,
     parse_overrides,
 )
+from megatron_acrl.config.loader import _field_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -162,7 +162,7 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_an_upward_deferred_import_is_caught(tree_copy: Path):
-    target = tree_copy / "megatron_acrl" / "config.py"
+    target = tree_copy / "megatron_acrl" / "config" / "loader.py"
     original = target.read_text()
     target.write_text(original + PLANT)
     try:

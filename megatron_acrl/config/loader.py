@@ -1,0 +1,272 @@
+"""Loading: YAML and dotted overrides to a typed, validated Config, and back."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import math
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from megatron_acrl.config._base import ConfigError, _raise_if
+from megatron_acrl.config.run import Config
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings: the string literal right after each annotated field."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):  # pragma: no cover - source unavailable
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if origin is tuple:
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {_type_name(args[0])}"
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return the typed value or raise ConfigError."""
+    origin = get_origin(tp)
+    bad = ConfigError([(path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")])
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        msg = f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"
+        raise ConfigError([(path, msg + (f" (did you mean {hint[0]!r}?)" if hint else ""))])
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise bad
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError([(path, f"expected {len(args)} entries {_type_name(tp)}, got {list(value)!r}")])
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-3" (no dot) as a string; accept what float() accepts.
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError([(path, f"must be finite, got {value!r}")])
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise ConfigError([(path, f"unsupported field type {tp!r}")])  # pragma: no cover
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError([(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {data!r}")])
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    errors: list[tuple[str, str]] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            fix = (
+                f"did you mean {(path + '.' if path else '') + hint[0]!r}?"
+                if hint
+                else (f"valid keys: {', '.join(names)}")
+            )
+            errors.append((key_path, f"unknown key; {fix}"))
+            continue
+        tp = hints[key]
+        try:
+            kwargs[key] = _build(tp, value, key_path) if is_dataclass(tp) else _coerce(value, tp, key_path)
+        except ConfigError as err:
+            errors += err.errors
+    _raise_if(errors)
+    try:
+        obj = cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError([(f"{path}.{p}" if path and p else p or path, m) for p, m in err.errors]) from None
+    return obj
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError([(dotted, f"cannot set a sub-key of {k!r}, which is not a section")])
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """Turn ``["a.b=1", "c.d=[1, 2]"]`` into a nested dict; values are parsed as YAML scalars."""
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                [(item, "override must look like section.key=value, e.g. correction.gamma=0.8")]
+            )
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError([(key, f"cannot parse value {raw!r}: {err}")]) from None
+        _set_dotted(data, key.strip(), value)
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, int, int]]:
+    """Keys given twice in one mapping of the composed YAML ``node`` (a section or a field), as
+    (dotted path, line, first line), lines 1-based: plain YAML silently keeps the last one."""
+    found: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value in node.value:
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            dotted = f"{path}.{key}" if path else key
+            if key in seen:
+                found.append((dotted, line, seen[key]))
+            seen.setdefault(key, line)
+            found += _duplicate_keys(value, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{path}[{i}]")
+    return found
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML file ``p``, refusing a key given twice (ConfigError naming file:line and the key)."""
+    text = p.read_text()
+    try:
+        dups = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([("", f"{p} is not valid YAML: {err}")]) from None
+    if dups:
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"{p}:{line}: {key.rsplit('.', 1)[-1]!r} is given twice (first on line {first}); YAML "
+                    "would keep only the second and drop the first's keys: merge them into one entry",
+                )
+                for key, line, first in dups
+            ]
+        )
+    return data
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (as read from YAML)."""
+    return _build(Config, data, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load ``path`` (YAML; None means all defaults), apply dotted ``overrides``, validate."""
+    data: dict = {}
+    if path is not None and str(path) != "":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([("", f"config file not found: {p} (pass a YAML file from configs/)")])
+        data = _read_yaml(p) or {}
+        if not isinstance(data, dict):
+            raise ConfigError([("", f"{p} must hold a mapping of sections, got {type(data).__name__}")])
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) suitable for YAML, W&B and checkpoints."""
+
+    def conv(v: Any) -> Any:
+        if is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def explain(cls: type = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted path, type, default and doc."""
+    lines: list[str] = []
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    default = cls()
+    for f in fields(cls):
+        tp = hints[f.name]
+        path = f"{prefix}{f.name}"
+        if is_dataclass(tp):
+            lines.append(f"[{path}]  {docs.get(f.name, '')}")
+            lines += explain(tp, path + ".")
+        else:
+            value = config_to_dict(getattr(default, f.name)) if not prefix else getattr(default, f.name)
+            value = list(value) if isinstance(value, tuple) else value
+            lines.append(
+                f"  {path}: {_type_name(tp)} = {value!r}\n      {docs.get(f.name, '(undocumented)')}"
+            )
+    return lines

@@ -1,0 +1,200 @@
+"""The model architecture and the trainer's parallel layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_acrl.config._base import ConfigError, _check, _Section
+
+ModelFamily = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    family: ModelFamily = "qwen2"
+    """Model family; selects the Megatron<->HF name table and the architecture switches."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+
+    hidden_size: int = 64
+    """Hidden (model) dimension."""
+
+    ffn_hidden_size: int = 128
+    """SwiGLU intermediate size of dense MLPs."""
+
+    num_attention_heads: int = 4
+    """Attention heads."""
+
+    num_query_groups: int = 2
+    """Key/value heads (GQA); equal to num_attention_heads for MHA."""
+
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+
+    vocab_size: int = 320
+    """Vocabulary size of the tokenizer (Megatron pads it for TP internally)."""
+
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model is built for."""
+
+    rotary_base: float = 10000.0
+    """RoPE base frequency (theta)."""
+
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+
+    qk_layernorm: bool = False
+    """Apply RMSNorm to queries and keys (Qwen3)."""
+
+    add_qkv_bias: bool = True
+    """Bias on the QKV projection (Qwen2 has it; Llama and Qwen3 do not)."""
+
+    tie_embeddings: bool = True
+    """Share input embedding and output projection weights."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 builds a dense model."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: int = 64
+    """Intermediate size of each routed expert."""
+
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert; 0 means no shared expert."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient."""
+
+    moe_routing_replay: Literal["off", "rollout", "train"] = "off"
+    """MoE routing replay (the issue's moe.routing_replay): off (the trainer routes itself), rollout
+    (R3: pi_old and training passes replay the experts SGLang chose), train (R2: the training pass
+    replays the pi_old pass's own routing)."""
+
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Training precision of parameters and activations (fp32 for exact layout-parity tests)."""
+
+    hf_path: str | None = None
+    """HF safetensors checkpoint to initialise from; None initialises randomly from training.seed."""
+
+    tokenizer_path: str | None = None
+    """Tokenizer directory; None uses the locally built tiny tokenizer."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+            _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(
+            e,
+            self.num_query_groups >= 1 and self.num_attention_heads % max(self.num_query_groups, 1) == 0,
+            "num_query_groups",
+            f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}",
+        )
+        if self.kv_channels is None:
+            _check(
+                e,
+                self.hidden_size % max(self.num_attention_heads, 1) == 0,
+                "hidden_size",
+                f"must be divisible by num_attention_heads={self.num_attention_heads} "
+                "(or set kv_channels explicitly)",
+            )
+        _check(e, self.num_experts >= 0, "num_experts", "must be >= 0 (0 = dense)")
+        if self.num_experts:
+            _check(
+                e,
+                1 <= self.moe_router_topk <= self.num_experts,
+                "moe_router_topk",
+                f"must be in [1, num_experts={self.num_experts}], got {self.moe_router_topk}",
+            )
+            _check(e, self.moe_ffn_hidden_size >= 1, "moe_ffn_hidden_size", "must be >= 1 for an MoE model")
+        _check(
+            e,
+            self.family != "qwen3_moe" or self.num_experts > 0,
+            "num_experts",
+            "family qwen3_moe needs num_experts > 0",
+        )
+        _check(e, self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
+        _check(
+            e,
+            self.moe_routing_replay == "off" or self.num_experts > 0,
+            "moe_routing_replay",
+            f"{self.moe_routing_replay!r} replays MoE routing but the model is dense (num_experts=0); "
+            "set moe_routing_replay: off",
+        )
+        return e
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Section):
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None disables interleaving."""
+
+    ep: int = 1
+    """Expert-parallel size (MoE only)."""
+
+    dp: int | None = None
+    """Data-parallel size; None derives it as world_size / (tp * pp)."""
+
+    world_size: int | None = None
+    """Trainer ranks; None takes it from the launcher (WORLD_SIZE) at start-up."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (required for MoE with tp > 1)."""
+
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        for name in ("tp", "pp", "ep"):
+            _check(e, getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(e, self.vpp is None or self.vpp >= 2, "vpp", "must be >= 2 or null (no interleaving)")
+        _check(e, self.vpp is None or self.pp >= 2, "vpp", "interleaving needs pp >= 2; set vpp: null")
+        _check(e, self.dp is None or self.dp >= 1, "dp", "must be >= 1 or null (derived)")
+        if self.world_size is not None and self.tp >= 1 and self.pp >= 1:
+            mp = self.tp * self.pp
+            if self.dp is not None:
+                _check(
+                    e,
+                    mp * self.dp == self.world_size,
+                    "dp",
+                    f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {mp * self.dp} != world_size "
+                    f"{self.world_size}; "
+                    + (f"set dp: {self.world_size // mp}" if self.world_size % mp == 0 else "change tp/pp"),
+                )
+            else:
+                _check(
+                    e,
+                    self.world_size % mp == 0,
+                    "world_size",
+                    f"world_size {self.world_size} is not divisible by tp*pp = {mp}",
+                )
+        return e
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` ranks (raises ConfigError if inconsistent)."""
+        mp = self.tp * self.pp
+        if world_size % mp or (self.dp is not None and self.dp * mp != world_size):
+            raise ConfigError(
+                [
+                    (
+                        "parallel",
+                        f"tp*pp*dp must equal world_size={world_size} "
+                        f"(tp={self.tp}, pp={self.pp}, dp={self.dp})",
+                    )
+                ]
+            )
+        return world_size // mp
