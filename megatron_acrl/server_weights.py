@@ -120,7 +120,12 @@ def weights_for_servers(
 
     def cast(items: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, t in items:
-            yield name, (t.to(SERVED_DTYPE) if t.is_floating_point() and t.dtype != SERVED_DTYPE else t)
+            out = t.to(SERVED_DTYPE) if t.is_floating_point() and t.dtype != SERVED_DTYPE else t
+            # Unbound before and after the yield: a name bound here would keep this tensor alive
+            # while the stream gathers the next one (one full tensor more than the sync's bound).
+            del t
+            yield name, out
+            del out
 
     out = cast(stream)
     scheme = fp8_scheme(cfg)

@@ -6,9 +6,14 @@
 ``layouts``: per case, a Policy of the layout loads the case's weights and pushes them through the
 driver's own path (``RunContext.push_weights``: per source, or rank 0 alone); the server's log-probs
 on fixed prompts are then compared with the trainer's own (Megatron) log-probs of the same tokens.
-Cases may also rename a tensor on one stage (refused before anything is sent), or fail one
-source mid-stream (the sync fails naming it, the driver reconnects and retries). Each rank measures
-the peak extra memory of its push (``VmHWM`` reset before it) next to what it holds to send.
+Then the same server reloads the case's weights from disk, through SGLang's own loader, and scores
+the same tokens again: the two must be equal bit for bit, whatever the layout (the log-probs of
+trainer and server differ by the kernels, on the MoE model by near-tie routing flips too; the
+server's two loads of the same bytes do not differ at all). Cases may also rename a tensor on one
+stage (refused before anything is sent), or fail one source mid-stream (the sync fails naming it,
+the driver reconnects and retries). Each rank measures the peak extra memory of a push (``VmHWM``
+reset before it) next to what it holds to send: the first push, which allocates the send buffers,
+and a second one of the same weights, which finds them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import dataclasses
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -108,7 +114,43 @@ def trainer_delta(trainer: Any, url: str, rank: int) -> dict[str, Any]:
         for i, s in enumerate(samples)
         for a, b in zip(s.rollout_logprobs, lp[i, len(s.prompt_ids) : len(seqs[i])].tolist(), strict=True)
     ]
-    return {"delta": max(deltas), "mean": sum(deltas) / len(deltas), "version": samples[0].weight_version}
+    return {
+        "delta": max(deltas),
+        "mean": sum(deltas) / len(deltas),
+        "version": samples[0].weight_version,
+        "seqs": seqs,
+        "targets": [len(s.output_ids) for s in samples],
+    }
+
+
+def disk_oracle(url: str, ckpt: str, tensors: dict[str, torch.Tensor], after: dict[str, Any]) -> float:
+    """max |log p| difference over the sampled tokens ``after`` holds between the server as the
+    sync left it and the same server once it reloaded ``tensors`` (the trainer's weights, by their
+    served names) from disk through SGLang's own loader, both scored teacher-forced after a cache
+    flush; the version is put back as it was."""
+    from safetensors.torch import save_file
+
+    from sglang_bridge.client import SGLangClient
+
+    async def score(c: Any) -> list[list[float]]:
+        await c.flush_cache()
+        return await c.score(after["seqs"], after["targets"])
+
+    async def go(model_dir: Path) -> float:
+        async with SGLangClient(url, api_key=os.environ[KEY_ENV]) as c:
+            synced = await score(c)
+            body = {"model_path": str(model_dir), "weight_version": after["version"]}
+            answer = await c._post("/update_weights_from_disk", body)
+            assert answer.get("success"), answer
+            loaded = await score(c)
+        return max(abs(a - b) for x, y in zip(synced, loaded, strict=True) for a, b in zip(x, y, strict=True))
+
+    with tempfile.TemporaryDirectory() as d:
+        for f in Path(ckpt).iterdir():  # config and tokenizer as served, the weights the trainer's
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                shutil.copy(f, Path(d) / f.name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, Path(d) / "model.safetensors")
+        return asyncio.run(go(Path(d)))
 
 
 def _perturbed(base: dict[str, torch.Tensor], seed: int, fp8: bool) -> dict[str, torch.Tensor]:
@@ -189,7 +231,8 @@ def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt
     rank, world = dist.get_rank(), dist.get_world_size()
     initialize_parallel(cfg.parallel, mw.SEED)
     trainer = Policy(cfg)
-    trainer.load_hf(_perturbed(base, case.get("seed", 1), bool(case.get("fp8"))))
+    weights = _perturbed(base, case.get("seed", 1), bool(case.get("fp8")))
+    trainer.load_hf(weights)
     out: dict[str, Any] = {"source": dataclasses.asdict(trainer.sync_source) if trainer.sync_source else None}
     with tempfile.TemporaryDirectory() as run_dir:
         servers = None
@@ -206,17 +249,25 @@ def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt
         _sabotage(trainer, case)
         if servers is not None:  # what each failed attempt of the push said (the driver only logs it)
             servers.update_weights = _recording(servers.update_weights, out.setdefault("failures", []))
-        peak_rss_reset()
-        rss0 = _status("VmRSS")
-        try:
-            out["metrics"] = ctx.push_weights(case["name"])
-        except RuntimeError as e:
-            out["error"] = str(e)
-        out["peak_extra"] = _status("VmHWM") - rss0
+        # The memory cases push twice: the first allocates the send buffers (kept for the run), the
+        # second (same weights) finds them, so its peak is what a push adds on top of them.
+        for version in [f"{case['name']}-first"] * ("peak_first" in case) + [case["name"]]:
+            peak_rss_reset()
+            rss0 = _status("VmRSS")
+            try:
+                out["metrics"] = ctx.push_weights(version)
+            except RuntimeError as e:
+                out["error"] = str(e)
+            out["peak_first" if version.endswith("-first") else "peak_extra"] = _status("VmHWM") - rss0
         sync = ctx.servers.synchronizer if ctx.servers else ctx.weight_source
         out["buffers"] = sync._send_buffers.nbytes if sync is not None else 0
         out["largest"] = largest_gathered(trainer)
         out["after"] = trainer_delta(trainer, url, rank)
+        if rank == 0 and "error" not in out:
+            out["oracle"] = disk_oracle(url, ckpt, weights, out["after"])
+        for got in (out.get("before"), out["after"]):  # the tokens were the oracle's: not reported
+            for k in ("seqs", "targets"):
+                (got or {}).pop(k, None)
         ctx.close()
     del trainer
     parallel_state.destroy_model_parallel()

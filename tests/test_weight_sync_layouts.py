@@ -2,13 +2,18 @@
 launch (``tests/sync_worker.py``): the dense ``qwen3`` and the ``moe`` model of
 ``tests/mcore_worker.py`` in bf16, each served by its own CPU server.
 
-After each push through the driver's own path (``RunContext.push_weights``), the server's log-probs
-on fixed prompts must equal the trainer's own log-probs of the same tokens within the bf16 tolerance,
-under TP=2, PP=2, EP=2 and PP=2 x EP=2, bf16 and FP8 fake-quant alike (the trainer then holds
-weights on the FP8 grid, so its log-probs are what the server must reproduce); before the first
-push they differ by far more. A stage that sends a renamed tensor is refused before anything is
-sent (the server keeps the last version and generates); a source that fails mid-stream fails the
-sync naming it, and the driver's retry (a new synchronizer) recovers.
+After each push through the driver's own path (``RunContext.push_weights``), under TP=2, PP=2, EP=2
+and PP=2 x EP=2, bf16 and FP8 fake-quant alike (the trainer then holds weights on the FP8 grid, so
+its log-probs are what the server must reproduce):
+
+- the server scores fixed tokens exactly as it does once it reloaded the trainer's weights from disk
+  through SGLang's own loader: every byte arrived, in its place (``ORACLE_TOL``);
+- the server's log-probs equal the trainer's within the bf16 tolerance (``TOL``, ``MEAN_TOL``);
+  before the first push they differ by far more.
+
+A stage that sends a renamed tensor is refused before anything is sent (the server keeps the last
+version and generates); a source that fails mid-stream fails the sync naming it, and the driver's
+retry (a new synchronizer) recovers.
 """
 
 from __future__ import annotations
@@ -31,8 +36,18 @@ from sglang_bridge.server_key import new_api_key
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 WORKER = Path(__file__).with_name("sync_worker.py")
-TOL = {"qwen3": 0.05, "moe": 0.1}
-"""bf16 trainer vs bf16 server (a wrong mapping gives deltas of order 1); MoE: near-tie routing."""
+TOL: dict[str, float | None] = {"qwen3": 0.05, "big": 0.15, "moe": None}
+"""max |dlogp| of a bf16 trainer vs a bf16 server over the sampled tokens: the kernels' difference,
+which grows with the model (``big``: 0.095 measured); a wrong mapping gives deltas of order 1. None
+on the MoE model: there a bf16 difference in the router's logits flips near-tie expert choices, and
+the max is 0.1-1.3 after every sync (0.08-0.77 between SGLang and HF transformers on one
+checkpoint, no sync involved), so it cannot tell a good sync from a bad one; the mean and the
+oracle can."""
+MEAN_TOL = 0.1
+"""mean |dlogp| trainer vs server (measured <= 0.075 on the MoE model, 2.6 before a sync)."""
+ORACLE_TOL = 1e-6
+"""The server after the sync vs the same server after loading the trainer's weights from disk
+(measured: 0.0, as two loads of the same bytes)."""
 BIG = dict(
     num_layers=4,
     hidden_size=1024,
@@ -47,8 +62,14 @@ tensor (a fused ``linear_fc1``) 8.4 MB, so the bound is resolved far above page 
 SLACK = 2 << 20
 """Allowed above the bound: Python objects, HTTP and store messages, gloo's own buffers."""
 
-MEM = dict(kind="big", model_kind="qwen3", model=BIG, layout=dict(pp=2, tp=2), fp8=True, bucket_mb=2)
-"""The memory cases: the ``BIG`` model at PP=2 x TP=2 (every rank gathers or sends a shard)."""
+MEM = dict(
+    kind="big", model_kind="qwen3", model=BIG, layout=dict(pp=2, tp=2), fp8=True, bucket_mb=2, peak_first=True
+)
+"""The memory cases: the ``BIG`` model at PP=2 x TP=2 (every rank gathers or sends a shard), pushed
+twice (``peak_first``: the first push allocates the send buffers)."""
+FIRST_SLACK = 4 << 20
+"""Allowed above the bound on a run's first push only: what it sets up once (the update group, the
+modules the sync imports); measured 0.5-4 MB on the coordinator's rank, ~1 MB on the others."""
 
 CASES = [
     dict(name="tp2", kind="qwen3", layout=dict(tp=2), before=True),
@@ -72,7 +93,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict]]:
     tmp = tmp_path_factory.mktemp("sync-layouts")
-    models = {k: mw.make_config(k, {}).model for k in TOL}
+    models = {k: mw.make_config(k, {}).model for k in ("qwen3", "moe")}
     models["big"] = dataclasses.replace(models["qwen3"], **BIG)
     ckpts = {k: build_checkpoint(m, seed=0, cache_dir=tmp / "models") for k, m in models.items()}
     key = new_api_key()
@@ -94,10 +115,12 @@ def test_server_logprobs_equal_the_trainers_after_a_sync(ranks: list[dict], case
     got = ranks[0][case["name"]]
     assert "error" not in got, got["error"]
     assert got["after"]["version"] == case["name"]
-    tol = TOL[case.get("model_kind", case["kind"])]
-    assert got["after"]["delta"] < tol, got["after"]
+    assert got["oracle"] <= ORACLE_TOL, got["oracle"]
+    assert got["after"]["mean"] < MEAN_TOL, got["after"]
+    if (tol := TOL[case["kind"]]) is not None:
+        assert got["after"]["delta"] < tol, got["after"]
     if case.get("before"):  # the server held other weights: the comparison can fail
-        assert got["before"]["delta"] > 3 * tol, got["before"]
+        assert got["before"]["mean"] > 10 * got["after"]["mean"], (got["before"], got["after"])
     m = got["metrics"]
     assert m["sync/fp8_mode"] == (2.0 if case.get("fp8") else 0.0)
 
@@ -133,27 +156,29 @@ def test_a_failing_source_fails_the_sync_by_name_and_the_retry_recovers(ranks: l
     assert "stage 0/2, EP rank 1/2 (rank 1)" in failure and "simulated failure" in failure, failure
     assert "PAUSED" in failure and "connect() a new one" in failure
     assert got["after"]["version"] == "pp2_ep2_failing_source"
-    # The mean |delta|: on this MoE model the max after a clean sync is itself 0.1-1.3 (ep2,
-    # pp2_ep2: deterministic, see test_server_logprobs_equal_the_trainers_after_a_sync), while the
-    # mean separates the new weights served (measured <= 0.075) from old ones (2.6 before a sync).
-    assert got["after"]["mean"] < TOL["moe"], got["after"]
+    assert got["oracle"] <= ORACLE_TOL, got["oracle"]  # what the retry sent is the trainer's, exactly
+    assert got["after"]["mean"] < MEAN_TOL, got["after"]  # (the max: see TOL)
     assert got["metrics"]["sync/restarts"] == 0.0  # reconnected, not restarted
 
 
 def test_peak_extra_memory_of_a_push_is_two_buckets_and_one_tensor(ranks: list[dict]) -> None:
     """On every rank, the peak resident memory a push adds (``VmHWM`` reset right before it) stays
     within its two send buffers (the buckets, double buffered) plus the largest full tensor it
-    gathers; a stage holds ~5x that. The negative control, a stream that keeps what it yields,
-    goes over on both stage sources: the measurement sees the tensors alive."""
+    gathers; a stage holds ~5x that. The first push allocates the buffers; the second finds them
+    and adds at most the tensor in hand (measured: 7.9 MB for an 8 MB largest tensor, where a
+    generator that kept its last tensor alive through the next gather made it 16). The negative
+    control, a stream that keeps what it yields, goes over on both stage sources: the measurement
+    sees the tensors alive."""
     for r in ranks:
         got = r["mem_pp2_tp2"]
-        bound = got["buffers"] + got["largest"] + SLACK
-        assert got["peak_extra"] <= bound, got
+        assert got["peak_first"] <= got["buffers"] + got["largest"] + FIRST_SLACK, got
+        assert got["peak_extra"] <= got["largest"] + SLACK, got
         if got["source"] is not None:
             assert (
                 4 << 20 <= got["buffers"] <= 2 * (4 << 20) + (1 << 20)
             )  # two buffers, the largest HF tensor
     for r in (ranks[0], ranks[2]):  # the two stage sources (tp2: ranks 1 and 3 only send shards)
         neg = r["mem_NEGATIVE_held"]
-        assert neg["peak_extra"] > neg["buffers"] + neg["largest"] + SLACK, neg
-    assert ranks[0]["mem_pp2_tp2"]["after"]["delta"] < TOL["qwen3"]
+        assert neg["peak_extra"] > neg["largest"] + SLACK, neg
+    got = ranks[0]["mem_pp2_tp2"]
+    assert got["oracle"] <= ORACLE_TOL and got["after"]["delta"] < TOL["big"], got

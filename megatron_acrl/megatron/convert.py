@@ -312,6 +312,7 @@ def iter_megatron_to_hf(
     """Stream (canonical Megatron name, full tensor) pairs into (HF name, tensor) pairs."""
     for name, tensor in tensors:
         yield from megatron_to_hf(name, tensor, info)
+        del tensor  # not alive while the next one is produced
 
 
 _ARCHITECTURES = {

@@ -113,6 +113,9 @@ def fake_quantize_named_stress(
     for name, t in named_tensors:
         router = quantize_router and t.dim() == 2 and is_router(name)
         if router or (name in extra and t.dim() == 2) or should_quantize(name, t, scheme):
-            yield name, fake_quantize_stress(t, scheme, rounding, mantissa_bits)
+            out = fake_quantize_stress(t, scheme, rounding, mantissa_bits)
         else:
-            yield name, t
+            out = t
+        del t  # hold nothing between tensors: the next one is produced while this frame waits
+        yield name, out
+        del out
