@@ -102,6 +102,9 @@ def sft_warmstart(
         metrics = trainer.train_step(sft_batch(list(itertools.islice(stream, n)), tokenizer, eos, pad))
         if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
             log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
-    trainer.save_hf(out, base_dir=base_dir, dtype=torch.bfloat16)  # as served: bf16, base tokenizer
+    # As served: bf16, the base tokenizer. Two runs of the same key may both get here (no lock: the
+    # ranks of a run would have to wait on it together); the first to finish is kept, and the other
+    # run, which may already serve it, never sees it replaced.
+    trainer.save_hf(out, base_dir=base_dir, dtype=torch.bfloat16, keep_existing=True)
     del trainer
     return out

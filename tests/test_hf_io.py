@@ -54,9 +54,23 @@ def test_several_shards_get_an_index_and_a_rewrite_replaces_the_directory(tmp_pa
     write_hf_dir(_weights().items(), out, write=True, max_shard_bytes=200)  # two tensors a shard
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(index) == sorted(_weights()) and len(set(index.values())) == 2
-    assert not (out / "leftover.txt").exists() and not (tmp_path / "hf.tmp").exists()
+    assert not (out / "leftover.txt").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     got = _read(out)
     assert all(torch.equal(got[k], v) for k, v in _weights().items())
+
+
+def test_a_cache_entry_another_writer_finished_first_is_kept_and_ours_discarded(tmp_path):
+    """Two runs warm-starting the same SFT cache entry: the first to finish stays (the other may
+    already serve it); each built its copy in a directory of its own, so neither touched the other's."""
+    out = tmp_path / "sft-key"
+    write_hf_dir(_weights().items(), out, write=True)
+    other = {k: v + 1 for k, v in _weights().items()}
+    write_hf_dir(other.items(), out, write=True, keep_existing=True)
+    got = _read(out)
+    assert all(torch.equal(got[k], v) for k, v in _weights().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sft-key"]
+    write_hf_dir(other.items(), out, write=True)  # without keep_existing: a rewrite replaces it
+    assert all(torch.equal(_read(out)[k], v) for k, v in other.items())
 
 
 def test_a_rank_that_does_not_write_walks_the_stream_and_writes_nothing(tmp_path):

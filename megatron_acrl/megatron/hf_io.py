@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,13 +420,15 @@ def write_hf_dir(
     base_dir: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 << 30,
+    keep_existing: bool = False,
 ) -> Path:
     """Write ``weights`` as an HF model directory ``out_dir``; returns it.
 
     Every rank calls it and walks ``weights`` (the stream's gathers are collectives); only the rank
     with ``write`` keeps and writes anything, holding at most one shard in memory. The directory is
-    built in ``<out_dir>.tmp`` and renamed into place (replacing ``out_dir``), so a reader never sees
-    a half-written model.
+    built in a directory of this process's own (``<out_dir>.tmp-<host>-<pid>``) and renamed into
+    place (replacing ``out_dir``), so a reader never sees a half-written model and two writers of
+    the same directory never write into, or delete, each other's.
 
     Args:
         weights: ``(hf_name, tensor)`` pairs, e.g. :func:`hf_weights` with ``all_stages=True``.
@@ -437,13 +440,15 @@ def write_hf_dir(
         max_shard_bytes: a new safetensors shard starts past this size. One shard is saved as
             ``model.safetensors``; several as ``model-<i>.safetensors`` with
             ``model.safetensors.index.json``.
+        keep_existing: if ``out_dir`` exists once this one is written, keep it and discard this one
+            (a cache entry another run finished first, which may be in use) instead of replacing it.
     """
     if not write:
         for _ in weights:
             pass
         return Path(out_dir)
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     if base_dir is not None:
         patterns = shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json")
@@ -454,8 +459,16 @@ def write_hf_dir(
     if config is not None:
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=2))
     if out.exists():
+        if keep_existing:
+            shutil.rmtree(tmp)
+            return out
         shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another writer renamed its copy in between
+        if not (keep_existing and out.is_dir()):
+            raise
+        shutil.rmtree(tmp)
     return out
 
 

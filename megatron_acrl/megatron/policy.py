@@ -381,6 +381,7 @@ class Policy(ModelTrainer):
         base_dir: str | os.PathLike | None = None,
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = 2 << 30,
+        keep_existing: bool = False,
     ) -> Path:
         """Write the policy as an HF model directory from rank 0; all ranks call it.
 
@@ -388,6 +389,7 @@ class Policy(ModelTrainer):
         most one shard). ``base_dir``: copy that model directory's config and tokenizer (the served
         model's; ``--export-hf`` and the SFT warm start); without it ``config.json`` is
         ``convert.hf_config`` of the model. ``dtype``: cast the weights (None keeps the model's).
+        ``keep_existing``: see :func:`hf_io.write_hf_dir` (a cache entry another run wrote first).
         """
         out = hf_io.write_hf_dir(
             self.hf_weights(all_stages=True),
@@ -397,6 +399,7 @@ class Policy(ModelTrainer):
             base_dir=base_dir,
             dtype=dtype,
             max_shard_bytes=max_shard_bytes,
+            keep_existing=keep_existing,
         )
         dist.barrier()
         return out
