@@ -52,8 +52,14 @@ def run_spec(tmp: Path, spec: list[dict], timeout: int = 1500) -> None:
         timeout=timeout,
     )
     if res.returncode != 0:
+        log = path.with_suffix(".stderr.log")
+        log.write_text(res.stderr)
+        # SGLang's server-args dump alone fills a plain tail: show the last traceback first.
+        at = res.stderr.rfind("Traceback (most recent call last)")
+        trace = res.stderr[at : at + 6000] if at >= 0 else ""
         raise AssertionError(
-            f"runner failed (rc={res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+            f"runner failed (rc={res.returncode}; whole stderr in {log}):\n{res.stdout[-3000:]}\n"
+            f"{trace}\n--- stderr tail ---\n{res.stderr[-3000:]}"
         )
 
 
