@@ -407,10 +407,10 @@ DEMO = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
 
 def test_the_default_reference_lag_is_the_runs_lag():
     from megatron_acrl.config import load_config
-    from megatron_acrl.megatron.policy import acrl_reference_lag, batch_lag
+    from megatron_acrl.megatron.policy import batch_lag
 
     def lag(*overrides: str) -> int:
-        return acrl_reference_lag(load_config(DEMO, list(overrides)))
+        return load_config(DEMO, list(overrides)).acrl_reference_lag
 
     assert lag() == 0
     assert lag("rollout.mode=async", "rollout.max_staleness=2") == 1

@@ -418,3 +418,19 @@ def test_acrl_replay_follows_the_controller():
     assert ema.y_over_x == pytest.approx([1.0, 2.0, 0.4 / 0.15])
     assert max(ema.log10_weight) == pytest.approx(0.30103, abs=1e-5)  # capped at weight_high
     assert "max Y/X 4, max |alpha| 1.95 (1/3 steps above 1)" in paper.summary()
+
+
+def test_the_replay_defers_the_reference_to_the_runs_lag_as_training_does():
+    """The first batch of a lagged run is its only lag-0 one: measured into X it would make every
+    later Y/X large; the replay, like the trainer, waits for a batch at ``reference_lag``."""
+    from megatron_acrl.config import CorrectionConfig
+    from megatron_acrl.study.replay import replay
+
+    rows = [
+        {"mismatch/prob_abs_diff": y, "mismatch/log_ratio_min": -1.0, "mismatch/log_ratio_max": 1.0,
+         "async/staleness_max": lag}
+        for y, lag in ((0.01, 0), (0.2, 8), (0.4, 8))
+    ]  # fmt: skip
+    cfg = CorrectionConfig(method="acrl")
+    assert replay(rows, cfg).y_over_x == pytest.approx([1.0, 20.0, 40.0])  # X from the lag-0 batch
+    assert replay(rows, cfg, reference_lag=8).y_over_x == pytest.approx([1.0, 1.0, 2.0])

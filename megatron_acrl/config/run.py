@@ -62,6 +62,15 @@ class Config:
         p = self.parallel
         return p.pp * p.ep if self.rollout.weight_sync == "per_source" else 1
 
+    @property
+    def acrl_reference_lag(self) -> int:
+        """The sampling lag a batch needs to be measured into ACRL's reference X: ``correction.
+        reference_lag``, or by default the run's own lag (``rollout.weight_lag_steps``, plus 1 in
+        async mode, where batch t is sampled while batch t - 1 trains)."""
+        if self.correction.reference_lag is not None:
+            return self.correction.reference_lag
+        return self.rollout.weight_lag_steps + (1 if self.rollout.mode == "async" else 0)
+
     def _weight_sync_checks(self) -> list[tuple[str, str]]:
         """The weight sync's ports and sources against the layout."""
         e: list[tuple[str, str]] = []

@@ -86,7 +86,7 @@ class Policy(ModelTrainer):
             loss_fn=loss_fn,
         )
         self.controller = (
-            AcrlController(cfg.correction, reference_lag=acrl_reference_lag(cfg))
+            AcrlController(cfg.correction, reference_lag=cfg.acrl_reference_lag)
             if cfg.correction.method == "acrl"
             else None
         )
@@ -454,15 +454,6 @@ class Policy(ModelTrainer):
         """Resume from ``directory/step_<step>`` or, by default, the step ``latest.json`` names (if
         present); returns whether a checkpoint was loaded."""
         return self._load_latest(directory, step)
-
-
-def acrl_reference_lag(cfg: Config) -> int:
-    """The sampling lag a batch needs to be measured into ACRL's reference X: ``correction.
-    reference_lag``, or by default the run's own lag (``rollout.weight_lag_steps``, plus 1 in async
-    mode, where batch t is sampled while batch t - 1 trains)."""
-    if cfg.correction.reference_lag is not None:
-        return cfg.correction.reference_lag
-    return cfg.rollout.weight_lag_steps + (1 if cfg.rollout.mode == "async" else 0)
 
 
 def batch_lag(batch: Mapping[str, torch.Tensor], trainer_version: int | None) -> int | None:

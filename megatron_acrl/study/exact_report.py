@@ -283,7 +283,7 @@ def estimate(grid: Grid, pilot: Grid, arms: list[ExactArm]) -> str:
 
 def _replays(grid: Grid, pilot: Grid, arms: list[ExactArm]) -> list[str]:
     """The grid's ACRL settings replayed (open loop) on the pilot's uncorrected runs' mismatch."""
-    settings = [(a, grid.configs[a].correction) for r in ("acrl", "acrl_ext") if (a := grid.roles.get(r))]
+    settings = [(a, grid.configs[a]) for r in ("acrl", "acrl_ext") if (a := grid.roles.get(r))]
     by = {a.arm: a for a in arms}
     targets = [by[arm] for r in ("none", "bf16_lag") if (arm := pilot.roles.get(r)) in by]
     if not settings or not targets:
@@ -296,7 +296,11 @@ def _replays(grid: Grid, pilot: Grid, arms: list[ExactArm]) -> list[str]:
     ]
     for t in targets:
         for seed, rows in zip(t.seeds, t.rows, strict=True):
-            lines += [f"- `{a}` on `{t.arm}` seed {seed}: {replay(rows, c).summary()}" for a, c in settings]
+            lines += [
+                f"- `{a}` on `{t.arm}` seed {seed}: "
+                f"{replay(rows, c.correction, c.acrl_reference_lag).summary()}"
+                for a, c in settings
+            ]
     return [*lines, ""]
 
 

@@ -8,7 +8,9 @@ Per step the logged ``mismatch/prob_abs_diff`` (token mean of |pi_old - mu|) sta
 (bounded by ``alpha_max``). The largest weight ``(pi_old/mu) ** alpha`` of a step is at most
 ``exp(|alpha| * max |log(pi_old/mu)|)`` (the logged ``mismatch/log_ratio_min`` / ``_max``; both
 signs of the advantage occur in a batch), then ``weight_high``: an upper bound, not a measurement.
-It is open loop: a controller that trains changes the trajectory it would then see.
+A step sampled at a lag below the controller's ``reference_lag`` (the logged
+``async/staleness_max``, the batch's oldest token) is not measured into X, as in training. It is
+open loop: a controller that trains changes the trajectory it would then see.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction.acrl import AcrlController
 
 Y_KEY, LO_KEY, HI_KEY = "mismatch/prob_abs_diff", "mismatch/log_ratio_min", "mismatch/log_ratio_max"
+LAG_KEY = "async/staleness_max"
 
 
 @dataclass(frozen=True)
@@ -44,19 +47,23 @@ class Replay:
         )
 
 
-def replay(rows: Sequence[dict[str, Any]], cfg: CorrectionConfig) -> Replay:
-    """Feed ``rows`` (metrics rows in step order) to an ACRL controller with ``cfg``'s reference.
+def replay(rows: Sequence[dict[str, Any]], cfg: CorrectionConfig, reference_lag: int = 0) -> Replay:
+    """Feed ``rows`` (metrics rows in step order) to an ACRL controller with ``cfg``'s reference and
+    ``reference_lag`` (the run's: ``Config.acrl_reference_lag``; a row without a logged lag counts as
+    sampled at it).
 
     Rows without the three mismatch metrics (the eval-only rows) are skipped.
     """
-    ctrl = AcrlController(cfg)
+    ctrl = AcrlController(cfg, reference_lag=reference_lag)
     yx, alpha, logw = [], [], []
     for r in rows:
         y, lo, hi = (r.get(k) for k in (Y_KEY, LO_KEY, HI_KEY))
         if not all(isinstance(v, int | float) and math.isfinite(v) for v in (y, lo, hi)):
             continue
-        sig = ctrl.update((float(y), 1.0))  # type: ignore[arg-type]
-        ratio = sig.y_over_x(cfg.eps)
+        lag = r.get(LAG_KEY)
+        lag = int(lag) if isinstance(lag, int | float) else None
+        sig = ctrl.update((float(y), 1.0), lag=lag)  # type: ignore[arg-type]
+        ratio = 1.0 if sig.deferred else sig.y_over_x(cfg.eps)  # deferred: alpha = 0, as in training
         a = abs(cfg.gamma * (1.0 - ratio))
         if cfg.alpha_max is not None:
             a = min(a, cfg.alpha_max)
