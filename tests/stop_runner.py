@@ -1,0 +1,84 @@
+"""One trainer rank under ``python -m launch.torchrun``, with a test's fault injected (issue #25).
+
+    python -m launch.torchrun --standalone --nproc-per-node 2 tests/stop_runner.py FAULTS_JSON \
+        --config configs/tiny_dense.yaml [train args and overrides ...]
+
+Runs ``megatron_acrl.train.main`` (its exit code is this process's) with a ``prepare`` hook that
+acts during the k-th optimizer step of rank ``faults["rank"]`` (default 0), after the step's
+training and before it is logged. First it writes ``faults["marker"]``: JSON with this rank's pid,
+its process group and the pids of its child processes (megatron's checkpoint writer among them).
+Then, per ``faults["action"]``:
+
+``pause``     wait until this rank has received a stop signal (the entry point's handler saw it),
+              so that the test's signal to the *launcher* is known to land during step k;
+``sigkill``   SIGKILL this rank (a crash, the out-of-memory killer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+import megatron_acrl.train as train
+from megatron_acrl.signals import StopSignals
+
+PAUSE_LIMIT_S = 600.0
+"""A pause that sees no signal this long fails the run (the test's signal never arrived)."""
+
+
+def inject(faults: dict, received: list[int]):
+    def prepare(ctx) -> None:
+        if ctx.rank != faults.get("rank", 0):
+            return
+        train_step, count = ctx.policy.train_step, {"n": 0}
+
+        def faulty(batch):
+            out = train_step(batch)
+            count["n"] += 1
+            if count["n"] == faults["at_train_step"]:
+                me = psutil.Process()
+                info = {
+                    "pid": me.pid,
+                    "pgid": os.getpgid(0),
+                    "children": [p.pid for p in me.children(recursive=True)],
+                }
+                tmp = Path(faults["marker"] + ".tmp")
+                tmp.write_text(json.dumps(info))
+                tmp.replace(faults["marker"])
+                if faults["action"] == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                deadline = time.monotonic() + PAUSE_LIMIT_S
+                while not received and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the stop signal's handler runs between these sleeps
+                if not received:
+                    raise RuntimeError(f"no stop signal within {PAUSE_LIMIT_S} s of the pause")
+            return out
+
+        ctx.policy.train_step = faulty
+
+    return prepare
+
+
+def main() -> int:
+    faults = json.loads(sys.argv[1])
+    received: list[int] = []
+    handle = StopSignals.handle
+
+    def noting(self, signum, frame):  # the entry point's own handler, and a note for the pause
+        received.append(signum)
+        return handle(self, signum, frame)
+
+    StopSignals.handle = noting  # type: ignore[method-assign]
+    run = train.run
+    train.run = lambda cfg, args, prepare=None: run(cfg, args, prepare=inject(faults, received))
+    return train.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
