@@ -6,12 +6,25 @@ plain-text twin of the W&B history that the study's plots and people without W&B
 
 Offline W&B runs are read back with :func:`read_wandb_history` (the ``.wandb`` file is a
 LevelDB-log framed stream of ``wandb.proto`` records), which is what the tests assert on.
+
+Every step exactly once. A run resumed from the checkpoint of step S (after a crash past it, or a
+fresh start at S = 0) logs steps S+1 on again, so the logger first *supersedes* what the earlier
+attempt logged after S: ``metrics.jsonl`` is rewritten atomically with the rows of steps 0..S (one
+per step, the last one logged, which is the checkpoint's own lineage; at S = 0 none: a fresh start
+logs its step 0 again), and every row
+it drops is appended first to ``metrics.superseded.jsonl`` beside it, tagged with
+``superseded_at_resume`` = S: nothing is lost. W&B keeps one offline run file per attempt (same run
+id); :func:`read_wandb_history` reads them in order, each attempt superseding the rows from its
+first step on. Online, W&B itself drops a row whose step is below the run's current step, so after
+such a resume its steps S+1..(the crash) keep the crashed attempt's values (each step once, but not
+the checkpoint's lineage); ``metrics.jsonl`` is the exact record.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 import time
@@ -51,6 +64,8 @@ class RunLogger:
         config: the resolved run config (plain dict), stored with the W&B run.
         resume_id: W&B run id to continue after a restart (from the checkpoint), or None.
         enabled: False on every rank but the driver's.
+        resume_step: the step this run continues from (0: a fresh start); the rows an earlier
+            attempt logged after it are superseded (see module doc).
     """
 
     def __init__(
@@ -60,6 +75,7 @@ class RunLogger:
         config: dict | None = None,
         resume_id: str | None = None,
         enabled: bool = True,
+        resume_step: int = 0,
     ):
         self.cfg = cfg
         self.enabled = enabled
@@ -70,6 +86,14 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.superseded = supersede_rows_after(self.run_dir / "metrics.jsonl", resume_step)
+        if self.superseded:
+            print(
+                f"metrics.jsonl: {self.superseded} row(s) logged after step {resume_step} by an earlier "
+                f"attempt moved to {SUPERSEDED}; this run logs those steps again",
+                file=sys.stderr,
+                flush=True,
+            )
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         if cfg.wandb_mode != "disabled":
             import wandb
@@ -159,6 +183,53 @@ def wait_for_wandb_exit(wandb_dir: str | Path, run_id: str | None, timeout_s: fl
     return False
 
 
+SUPERSEDED = "metrics.superseded.jsonl"
+"""Beside ``metrics.jsonl``: the rows a resume superseded (see module doc)."""
+
+
+def _fsync_write(path: Path, text: str, mode: str) -> None:
+    with open(path, mode) as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def supersede_rows_after(path: Path, step: int) -> int:
+    """Make ``path`` (a ``metrics.jsonl``) hold one row per step 0..``step`` and nothing after, the
+    rows it drops appended to :data:`SUPERSEDED` first (so a crash in between duplicates, never
+    loses); returns how many rows were moved. A row that is not JSON is moved too, as it was."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep: dict[int, str] = {}
+    dropped: list[str] = []
+    for line in lines:
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped.append(line)
+            continue
+        if step > 0 and row_step <= step:  # a fresh start (0) logs its step 0 again
+            if row_step in keep:  # logged twice (before this fix): the later one is the lineage
+                dropped.append(keep[row_step])
+            keep[row_step] = line
+        else:
+            dropped.append(line)
+    if not dropped:
+        return 0
+    tagged = []
+    for line in dropped:
+        try:
+            tagged.append(json.dumps({"superseded_at_resume": step, **json.loads(line)}))
+        except (ValueError, TypeError):
+            tagged.append(line)
+    _fsync_write(path.with_name(SUPERSEDED), "".join(t + "\n" for t in tagged), "a")
+    tmp = path.with_name(path.name + ".tmp")
+    _fsync_write(tmp, "".join(keep[k] + "\n" for k in sorted(keep)), "w")
+    tmp.replace(path)
+    return len(dropped)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading runs back
 # ----------------------------------------------------------------------------------------------
@@ -220,17 +291,41 @@ def _iter_wandb_records(path: Path) -> Iterator[Any]:
         yield rec
 
 
+def _history_of(path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """One run file's start time (ns since the epoch; its mtime if it has no run record) and its
+    history rows. A file its writer did not finish (the process was killed) ends mid-record: the
+    rows before that are read."""
+    start, rows = 0, []
+    try:
+        for rec in _iter_wandb_records(path):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run" and not start:
+                start = rec.run.start_time.ToNanoseconds()
+            elif kind == "history":
+                rows.append(
+                    {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
+                )
+    except Exception:  # noqa: BLE001 - a torn last record (DecodeError, a short frame): keep the rest
+        if not rows and not start:
+            raise
+    return start or path.stat().st_mtime_ns, rows
+
+
 def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
-    """History rows of an offline W&B run (a ``run-*.wandb`` file or a directory holding one)."""
+    """History rows of an offline W&B run: a ``run-*.wandb`` file, or a directory holding the run
+    files of one or more attempts. For a directory, every file of the newest run's id is read in
+    the order the attempts started, each attempt superseding the rows from its first step on (a
+    resume from an earlier checkpoint logs those steps again), so each step appears once."""
     p = Path(path)
-    if p.is_dir():
-        p = find_wandb_file(p)
-    rows = []
-    for rec in _iter_wandb_records(p):
-        if rec.WhichOneof("record_type") == "history":
-            rows.append(
-                {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
-            )
+    if not p.is_dir():
+        return _history_of(p)[1]
+    newest = find_wandb_file(p)
+    attempts = sorted((_history_of(f) for f in p.rglob(newest.name)), key=lambda a: a[0])
+    rows: list[dict[str, Any]] = []
+    for _start, attempt in attempts:
+        if attempt:
+            first = attempt[0].get("_step", 0)
+            rows = [r for r in rows if r.get("_step", 0) < first] + attempt
     return rows
 
 
