@@ -7,7 +7,7 @@ Runs ``megatron_acrl.train.main`` (its exit code is this process's) with a ``pre
 acts during the k-th optimizer step of rank ``faults["rank"]`` (default 0), after the step's
 training and before it is logged. First it writes ``faults["marker"]``: JSON with this rank's pid,
 its process group and the pids of its child processes (megatron's checkpoint writer among them).
-Then, per ``faults["action"]``:
+(with their create times). Then, per ``faults["action"]``:
 
 ``pause``     wait until this rank has received a stop signal (the entry point's handler saw it),
               so that the test's signal to the *launcher* is known to land during step k;
@@ -46,7 +46,7 @@ def inject(faults: dict, received: list[int]):
                 info = {
                     "pid": me.pid,
                     "pgid": os.getpgid(0),
-                    "children": [p.pid for p in me.children(recursive=True)],
+                    "children": {p.pid: p.create_time() for p in me.children(recursive=True)},
                 }
                 tmp = Path(faults["marker"] + ".tmp")
                 tmp.write_text(json.dumps(info))
