@@ -137,18 +137,10 @@ class RunLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._wandb is not None:
-            import numpy as np
-            import wandb
-
-            data: dict[str, Any] = dict(metrics)
-            for name, values in (histograms or {}).items():
-                arr = np.asarray(values, dtype=np.float64).ravel()
-                arr = arr[np.isfinite(arr)]
-                if arr.size:
-                    data[name] = wandb.Histogram(arr, num_bins=64)
-            if table is not None:
-                data["samples"] = wandb.Table(columns=table[0], data=table[1])
-            self._wandb.log(data, step=step)
+            try:
+                self._wandb.log(_wandb_data(metrics, histograms, table), step=step)
+            except Exception as e:  # noqa: BLE001 - W&B's service died; the run and metrics.jsonl go on
+                self._wandb_lost(e, step)
         if self.cfg.console and step % self.cfg.log_interval == 0:
             parts = [f"step {step:>5d}"]
             for key, short in CONSOLE_KEYS:
@@ -156,16 +148,55 @@ class RunLogger:
                     parts.append(f"{short} {metrics[key]:.4g}")
             print(" | ".join(parts), file=sys.stderr, flush=True)
 
+    def _wandb_lost(self, err: Exception, step: int) -> None:
+        """W&B's service process (``wandb-core``, a child of this rank) is gone: a scheduler that
+        signals every process of the job step (SLURM preemption, ``scancel``) ends it with the
+        rank's SIGTERM, and it cannot be told to ignore it (a Go binary). The run must still finish
+        its step and checkpoint: log a warning once and go on without W&B for this attempt (rows
+        it had not written are lost to W&B; ``metrics.jsonl`` keeps every step; a resume continues
+        the W&B run)."""
+        print(
+            f"W&B stopped working at step {step} ({type(err).__name__}: {err}); this attempt logs "
+            f"the rest to {self.run_dir / 'metrics.jsonl'} only",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._wandb = None
+
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as e:  # noqa: BLE001 - as in log(): the service died
+                self._wandb_lost(e, -1)
+                return
             self._wandb = None
             # wandb.finish() can return before the offline writer has flushed the run file; wait
             # for its closing record so whoever reads the run next sees every step.
             wait_for_wandb_exit(self.wandb_dir, self.run_id)
+
+
+def _wandb_data(
+    metrics: dict[str, float],
+    histograms: dict[str, Any] | None,
+    table: tuple[list[str], list[list[Any]]] | None,
+) -> dict[str, Any]:
+    """One step's W&B payload: the scalars, histograms of the finite samples, the sample table."""
+    import numpy as np
+    import wandb
+
+    data: dict[str, Any] = dict(metrics)
+    for name, values in (histograms or {}).items():
+        arr = np.asarray(values, dtype=np.float64).ravel()
+        arr = arr[np.isfinite(arr)]
+        if arr.size:
+            data[name] = wandb.Histogram(arr, num_bins=64)
+    if table is not None:
+        data["samples"] = wandb.Table(columns=table[0], data=table[1])
+    return data
 
 
 def wait_for_wandb_exit(wandb_dir: str | Path, run_id: str | None, timeout_s: float = 60.0) -> bool:

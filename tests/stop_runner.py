@@ -24,12 +24,33 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
 import megatron_acrl.train as train
+from megatron_acrl.batch import build_batch, save_rollouts
 from megatron_acrl.signals import StopSignals
 
 PAUSE_LIMIT_S = 600.0
 """A pause that sees no signal this long fails the run (the test's signal never arrived)."""
+
+
+def record_rollouts(out: Path, steps: int) -> Path:
+    """``steps`` recorded batches (2 prompts x 4 samples of 4 tokens, mixed rewards) in ``out``: what
+    the ranks replay with ``--load-rollouts`` (``rollout.prompts_per_step=2``,
+    ``n_samples_per_prompt=4``), no server needed."""
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        n = 8
+        batch = build_batch(
+            [torch.randint(3, 300, (4,), generator=g).tolist() for _ in range(n)],
+            [torch.randint(3, 300, (4,), generator=g).tolist() for _ in range(n)],
+            [(-2.0 - torch.rand(4, generator=g)).tolist() for _ in range(n)],
+            rewards=[float(i % 2) for i in range(n)],
+            group_ids=[2 * step + i // 4 for i in range(n)],
+            pad_id=0,
+        )
+        save_rollouts(batch, out, step)
+    return out
 
 
 def inject(faults: dict, received: list[int]):
@@ -65,8 +86,8 @@ def inject(faults: dict, received: list[int]):
     return prepare
 
 
-def main() -> int:
-    faults = json.loads(sys.argv[1])
+def run_with_faults(faults: dict, argv: list[str]) -> int:
+    """``megatron_acrl.train.main(argv)`` with ``faults`` injected (see module doc)."""
     received: list[int] = []
     handle = StopSignals.handle
 
@@ -76,9 +97,10 @@ def main() -> int:
 
     StopSignals.handle = noting  # type: ignore[method-assign]
     run = train.run
-    train.run = lambda cfg, args, prepare=None: run(cfg, args, prepare=inject(faults, received))
-    return train.main(sys.argv[2:])
+    if faults:
+        train.run = lambda cfg, args, prepare=None: run(cfg, args, prepare=inject(faults, received))
+    return train.main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_faults(json.loads(sys.argv[1]), sys.argv[2:]))

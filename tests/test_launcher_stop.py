@@ -24,9 +24,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
+from stop_runner import record_rollouts
 
-from megatron_acrl.batch import build_batch, save_rollouts
 from megatron_acrl.logging import SUPERSEDED, read_jsonl_metrics, read_wandb_history
 from megatron_acrl.megatron.step_manifest import select_step_dir
 
@@ -50,21 +49,7 @@ NOT_COMPARED = ("time/", "perf/", "sync/seconds")
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory) -> Path:
-    """``STEPS`` recorded batches (2 prompts x 4 samples, mixed rewards): what the ranks replay."""
-    out = tmp_path_factory.mktemp("rollouts")
-    g = torch.Generator().manual_seed(0)
-    for step in range(STEPS):
-        n = 8
-        batch = build_batch(
-            [torch.randint(3, 300, (4,), generator=g).tolist() for _ in range(n)],
-            [torch.randint(3, 300, (4,), generator=g).tolist() for _ in range(n)],
-            [(-2.0 - torch.rand(4, generator=g)).tolist() for _ in range(n)],
-            rewards=[float(i % 2) for i in range(n)],
-            group_ids=[2 * step + i // 4 for i in range(n)],
-            pad_id=0,
-        )
-        save_rollouts(batch, out, step)
-    return out
+    return record_rollouts(tmp_path_factory.mktemp("rollouts"), STEPS)
 
 
 class Launch:

@@ -133,3 +133,26 @@ def test_offline_wandb_attempts_read_back_each_step_once(tmp_path, monkeypatch):
     hist = read_wandb_history(first.wandb_dir)
     want = [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0), (5, 105.0)]  # attempt 2 supersedes from step 3
     assert [(int(r["_step"]), r["x"]) for r in hist] == want
+
+
+def test_a_wandb_service_killed_by_the_schedulers_signal_does_not_end_the_run(tmp_path, monkeypatch, capsys):
+    """SLURM signals every process of the job step, W&B's service (``wandb-core``, a Go binary that
+    dies of SIGTERM whatever it inherits) included: the rank must still log, finish its step and
+    checkpoint, so the logger goes on with metrics.jsonl alone (issue #25)."""
+    import os
+    import signal
+
+    import psutil
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = RunLogger(LoggingConfig(wandb_mode="offline", console=False), tmp_path / "run")
+    log.log(1, {"x": 1.0})
+    for child in psutil.Process().children(recursive=True):
+        if "wandb" in child.name():
+            os.kill(child.pid, signal.SIGTERM)
+            child.wait(60)
+    log.log(2, {"x": 2.0})
+    log.log(3, {"x": 3.0})
+    log.close()
+    assert [r["step"] for r in read_jsonl_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert "W&B stopped working at step 2" in capsys.readouterr().err
