@@ -52,6 +52,15 @@ def rollouts(tmp_path_factory) -> Path:
     return record_rollouts(tmp_path_factory.mktemp("rollouts"), STEPS)
 
 
+def test_the_launcher_gives_the_ranks_time_to_checkpoint_unless_told_otherwise():
+    from launch.torchrun import STOP_GRACE_S, stop_args
+
+    argv = ["--standalone", "--nproc-per-node", "2", "-m", "megatron_acrl.train", "--shutdown-timeout"]
+    assert stop_args(argv) == (["--shutdown-timeout", str(STOP_GRACE_S), *argv], False)  # the script's own
+    given = ["--shutdown-timeout=7", "--ranks-get-stop-signals", "--nnodes=1", "--no-python", "bash", "w.sh"]
+    assert stop_args(given) == (["--shutdown-timeout=7", "--nnodes=1", "--no-python", "bash", "w.sh"], True)
+
+
 class Launch:
     """One ``python -m launch.torchrun --standalone --nproc-per-node 2`` run, in its own session
     (so that Ctrl-C can be sent to its process group as a terminal would)."""
