@@ -11,13 +11,12 @@ Every step exactly once. A run resumed from the checkpoint of step S (after a cr
 fresh start at S = 0) logs steps S+1 on again, so the logger first *supersedes* what the earlier
 attempt logged after S: ``metrics.jsonl`` is rewritten atomically with the rows of steps 0..S (one
 per step, the last one logged, which is the checkpoint's own lineage; at S = 0 none: a fresh start
-logs its step 0 again), and every row
-it drops is appended first to ``metrics.superseded.jsonl`` beside it, tagged with
-``superseded_at_resume`` = S: nothing is lost. W&B keeps one offline run file per attempt (same run
-id); :func:`read_wandb_history` reads them in order, each attempt superseding the rows from its
-first step on. Online, W&B itself drops a row whose step is below the run's current step, so after
-such a resume its steps S+1..(the crash) keep the crashed attempt's values (each step once, but not
-the checkpoint's lineage); ``metrics.jsonl`` is the exact record.
+logs its step 0 again), and every row it drops is appended first to ``metrics.superseded.jsonl``
+beside it, tagged with ``superseded_at_resume`` = S: nothing is lost. W&B keeps one offline run
+file per attempt (same run id); :func:`read_wandb_history` reads them in order, each attempt
+superseding the rows from its first step on. Online, W&B itself drops a row whose step is below the
+run's current step, so after such a resume its steps S+1..(the crash) keep the crashed attempt's
+values (each step once, but not the checkpoint's lineage); ``metrics.jsonl`` is the exact record.
 """
 
 from __future__ import annotations
@@ -140,7 +139,7 @@ class RunLogger:
             try:
                 self._wandb.log(_wandb_data(metrics, histograms, table), step=step)
             except Exception as e:  # noqa: BLE001 - W&B's service died; the run and metrics.jsonl go on
-                self._wandb_lost(e, step)
+                self._wandb_lost(e, f"at step {step}")
         if self.cfg.console and step % self.cfg.log_interval == 0:
             parts = [f"step {step:>5d}"]
             for key, short in CONSOLE_KEYS:
@@ -148,7 +147,7 @@ class RunLogger:
                     parts.append(f"{short} {metrics[key]:.4g}")
             print(" | ".join(parts), file=sys.stderr, flush=True)
 
-    def _wandb_lost(self, err: Exception, step: int) -> None:
+    def _wandb_lost(self, err: Exception, where: str) -> None:
         """W&B's service process (``wandb-core``, a child of this rank) is gone: a scheduler that
         signals every process of the job step (SLURM preemption, ``scancel``) ends it with the
         rank's SIGTERM, and it cannot be told to ignore it (a Go binary). The run must still finish
@@ -156,7 +155,7 @@ class RunLogger:
         it had not written are lost to W&B; ``metrics.jsonl`` keeps every step; a resume continues
         the W&B run)."""
         print(
-            f"W&B stopped working at step {step} ({type(err).__name__}: {err}); this attempt logs "
+            f"W&B stopped working {where} ({type(err).__name__}: {err}); this attempt logs "
             f"the rest to {self.run_dir / 'metrics.jsonl'} only",
             file=sys.stderr,
             flush=True,
@@ -171,7 +170,7 @@ class RunLogger:
             try:
                 self._wandb.finish()
             except Exception as e:  # noqa: BLE001 - as in log(): the service died
-                self._wandb_lost(e, -1)
+                self._wandb_lost(e, "at the end of the run")
                 return
             self._wandb = None
             # wandb.finish() can return before the offline writer has flushed the run file; wait
