@@ -134,10 +134,13 @@ class RunContext:
     # -- logging -----------------------------------------------------------------------------------
 
     def start_logging(self, config: dict, state: Any) -> None:
-        """Rank 0: open the run's logger, continuing the W&B run of ``state`` (a resumed run)."""
+        """Rank 0: open the run's logger, continuing the W&B run of ``state`` (a resumed run) and
+        superseding what an earlier attempt logged after ``state.step`` (:mod:`megatron_acrl.logging`)."""
         if self.rank != 0:
             return
-        self.logger = RunLogger(self.cfg.logging, self.run_dir, config=config, resume_id=state.wandb_id)
+        self.logger = RunLogger(
+            self.cfg.logging, self.run_dir, config=config, resume_id=state.wandb_id, resume_step=state.step
+        )
         state.wandb_id = self.logger.run_id
 
     def close(self) -> None:

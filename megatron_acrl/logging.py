@@ -6,12 +6,24 @@ plain-text twin of the W&B history that the study's plots and people without W&B
 
 Offline W&B runs are read back with :func:`read_wandb_history` (the ``.wandb`` file is a
 LevelDB-log framed stream of ``wandb.proto`` records), which is what the tests assert on.
+
+Every step exactly once. A run resumed from the checkpoint of step S (after a crash past it, or a
+fresh start at S = 0) logs steps S+1 on again, so the logger first *supersedes* what the earlier
+attempt logged after S: ``metrics.jsonl`` is rewritten atomically with the rows of steps 0..S (one
+per step, the last one logged, which is the checkpoint's own lineage; at S = 0 none: a fresh start
+logs its step 0 again), and every row it drops is appended first to ``metrics.superseded.jsonl``
+beside it, tagged with ``superseded_at_resume`` = S: nothing is lost. W&B keeps one offline run
+file per attempt (same run id); :func:`read_wandb_history` reads them in order, each attempt
+superseding the rows from its first step on. Online, W&B itself drops a row whose step is below the
+run's current step, so after such a resume its steps S+1..(the crash) keep the crashed attempt's
+values (each step once, but not the checkpoint's lineage); ``metrics.jsonl`` is the exact record.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 import time
@@ -51,6 +63,8 @@ class RunLogger:
         config: the resolved run config (plain dict), stored with the W&B run.
         resume_id: W&B run id to continue after a restart (from the checkpoint), or None.
         enabled: False on every rank but the driver's.
+        resume_step: the step this run continues from (0: a fresh start); the rows an earlier
+            attempt logged after it are superseded (see module doc).
     """
 
     def __init__(
@@ -60,6 +74,7 @@ class RunLogger:
         config: dict | None = None,
         resume_id: str | None = None,
         enabled: bool = True,
+        resume_step: int = 0,
     ):
         self.cfg = cfg
         self.enabled = enabled
@@ -70,6 +85,14 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.superseded = supersede_rows_after(self.run_dir / "metrics.jsonl", resume_step)
+        if self.superseded:
+            print(
+                f"metrics.jsonl: {self.superseded} row(s) logged after step {resume_step} by an earlier "
+                f"attempt moved to {SUPERSEDED}; this run logs those steps again",
+                file=sys.stderr,
+                flush=True,
+            )
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         if cfg.wandb_mode != "disabled":
             import wandb
@@ -113,18 +136,10 @@ class RunLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._wandb is not None:
-            import numpy as np
-            import wandb
-
-            data: dict[str, Any] = dict(metrics)
-            for name, values in (histograms or {}).items():
-                arr = np.asarray(values, dtype=np.float64).ravel()
-                arr = arr[np.isfinite(arr)]
-                if arr.size:
-                    data[name] = wandb.Histogram(arr, num_bins=64)
-            if table is not None:
-                data["samples"] = wandb.Table(columns=table[0], data=table[1])
-            self._wandb.log(data, step=step)
+            try:
+                self._wandb.log(_wandb_data(metrics, histograms, table), step=step)
+            except Exception as e:  # noqa: BLE001 - W&B's service died; the run and metrics.jsonl go on
+                self._wandb_lost(e, f"at step {step}")
         if self.cfg.console and step % self.cfg.log_interval == 0:
             parts = [f"step {step:>5d}"]
             for key, short in CONSOLE_KEYS:
@@ -132,16 +147,55 @@ class RunLogger:
                     parts.append(f"{short} {metrics[key]:.4g}")
             print(" | ".join(parts), file=sys.stderr, flush=True)
 
+    def _wandb_lost(self, err: Exception, where: str) -> None:
+        """W&B's service process (``wandb-core``, a child of this rank) is gone: a scheduler that
+        signals every process of the job step (SLURM preemption, ``scancel``) ends it with the
+        rank's SIGTERM, and it cannot be told to ignore it (a Go binary). The run must still finish
+        its step and checkpoint: log a warning once and go on without W&B for this attempt (rows
+        it had not written are lost to W&B; ``metrics.jsonl`` keeps every step; a resume continues
+        the W&B run)."""
+        print(
+            f"W&B stopped working {where} ({type(err).__name__}: {err}); this attempt logs "
+            f"the rest to {self.run_dir / 'metrics.jsonl'} only",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._wandb = None
+
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as e:  # noqa: BLE001 - as in log(): the service died
+                self._wandb_lost(e, "at the end of the run")
+                return
             self._wandb = None
             # wandb.finish() can return before the offline writer has flushed the run file; wait
             # for its closing record so whoever reads the run next sees every step.
             wait_for_wandb_exit(self.wandb_dir, self.run_id)
+
+
+def _wandb_data(
+    metrics: dict[str, float],
+    histograms: dict[str, Any] | None,
+    table: tuple[list[str], list[list[Any]]] | None,
+) -> dict[str, Any]:
+    """One step's W&B payload: the scalars, histograms of the finite samples, the sample table."""
+    import numpy as np
+    import wandb
+
+    data: dict[str, Any] = dict(metrics)
+    for name, values in (histograms or {}).items():
+        arr = np.asarray(values, dtype=np.float64).ravel()
+        arr = arr[np.isfinite(arr)]
+        if arr.size:
+            data[name] = wandb.Histogram(arr, num_bins=64)
+    if table is not None:
+        data["samples"] = wandb.Table(columns=table[0], data=table[1])
+    return data
 
 
 def wait_for_wandb_exit(wandb_dir: str | Path, run_id: str | None, timeout_s: float = 60.0) -> bool:
@@ -157,6 +211,53 @@ def wait_for_wandb_exit(wandb_dir: str | Path, run_id: str | None, timeout_s: fl
                 pass
         time.sleep(0.2)
     return False
+
+
+SUPERSEDED = "metrics.superseded.jsonl"
+"""Beside ``metrics.jsonl``: the rows a resume superseded (see module doc)."""
+
+
+def _fsync_write(path: Path, text: str, mode: str) -> None:
+    with open(path, mode) as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def supersede_rows_after(path: Path, step: int) -> int:
+    """Make ``path`` (a ``metrics.jsonl``) hold one row per step 0..``step`` and nothing after, the
+    rows it drops appended to :data:`SUPERSEDED` first (so a crash in between duplicates, never
+    loses); returns how many rows were moved. A row that is not JSON is moved too, as it was."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep: dict[int, str] = {}
+    dropped: list[str] = []
+    for line in lines:
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped.append(line)
+            continue
+        if step > 0 and row_step <= step:  # a fresh start (0) logs its step 0 again
+            if row_step in keep:  # logged twice (before this fix): the later one is the lineage
+                dropped.append(keep[row_step])
+            keep[row_step] = line
+        else:
+            dropped.append(line)
+    if not dropped:
+        return 0
+    tagged = []
+    for line in dropped:
+        try:
+            tagged.append(json.dumps({"superseded_at_resume": step, **json.loads(line)}))
+        except (ValueError, TypeError):
+            tagged.append(line)
+    _fsync_write(path.with_name(SUPERSEDED), "".join(t + "\n" for t in tagged), "a")
+    tmp = path.with_name(path.name + ".tmp")
+    _fsync_write(tmp, "".join(keep[k] + "\n" for k in sorted(keep)), "w")
+    tmp.replace(path)
+    return len(dropped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,17 +321,41 @@ def _iter_wandb_records(path: Path) -> Iterator[Any]:
         yield rec
 
 
+def _history_of(path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """One run file's start time (ns since the epoch; its mtime if it has no run record) and its
+    history rows. A file its writer did not finish (the process was killed) ends mid-record: the
+    rows before that are read."""
+    start, rows = 0, []
+    try:
+        for rec in _iter_wandb_records(path):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run" and not start:
+                start = rec.run.start_time.ToNanoseconds()
+            elif kind == "history":
+                rows.append(
+                    {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
+                )
+    except Exception:  # noqa: BLE001 - a torn last record (DecodeError, a short frame): keep the rest
+        if not rows and not start:
+            raise
+    return start or path.stat().st_mtime_ns, rows
+
+
 def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
-    """History rows of an offline W&B run (a ``run-*.wandb`` file or a directory holding one)."""
+    """History rows of an offline W&B run: a ``run-*.wandb`` file, or a directory holding the run
+    files of one or more attempts. For a directory, every file of the newest run's id is read in
+    the order the attempts started, each attempt superseding the rows from its first step on (a
+    resume from an earlier checkpoint logs those steps again), so each step appears once."""
     p = Path(path)
-    if p.is_dir():
-        p = find_wandb_file(p)
-    rows = []
-    for rec in _iter_wandb_records(p):
-        if rec.WhichOneof("record_type") == "history":
-            rows.append(
-                {("/".join(i.nested_key) or i.key): json.loads(i.value_json) for i in rec.history.item}
-            )
+    if not p.is_dir():
+        return _history_of(p)[1]
+    newest = find_wandb_file(p)
+    attempts = sorted((_history_of(f) for f in p.rglob(newest.name)), key=lambda a: a[0])
+    rows: list[dict[str, Any]] = []
+    for _start, attempt in attempts:
+        if attempt:
+            first = attempt[0].get("_step", 0)
+            rows = [r for r in rows if r.get("_step", 0) < first] + attempt
     return rows
 
 

@@ -21,7 +21,6 @@ checkpoints are, and a resume whose config changes the model or the data (:data:
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -255,28 +254,9 @@ def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
     state = DriverState(**driver)
     if ctx.prompt_stream is not None:  # rank 0: the data continues where the checkpoint left it
         ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, state.prompts_consumed)
-    ctx.last_checkpoint_step = state.step
-    if ctx.rank == 0:
-        forget_steps_after(ctx.run_dir / "metrics.jsonl", state.step)
+    ctx.last_checkpoint_step = state.step  # the logger supersedes the rows logged after it
     log0(f"resumed from {step_dir.name}: step {state.step}, weight version {state.weight_version}")
     return state, step_dir
-
-
-def forget_steps_after(metrics: Path, step: int) -> int:
-    """Drop the rows of steps after ``step`` from a run's ``metrics.jsonl`` (steps a crash lost after
-    the checkpoint it resumes from: they are trained again), so every step is there exactly once.
-    Rewritten atomically; returns the rows dropped."""
-    if not metrics.is_file():
-        return 0
-    lines = metrics.read_text().splitlines()
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    dropped = sum(1 for ln in lines if ln.strip()) - len(keep)
-    if dropped:
-        tmp = metrics.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        tmp.replace(metrics)
-        log0(f"{metrics}: dropped {dropped} rows of steps after {step} (not in the checkpoint)")
-    return dropped
 
 
 def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:

@@ -127,3 +127,51 @@ def test_the_table_names_every_documented_patch():
     doc = (ROOT / "docs" / "trainer.md").read_text()
     assert all(f"| {i} |" in doc for i in ids)
     assert all(p.apply.__doc__ for p in cpu_compat.PATCHES)
+
+
+def test_the_checkpoint_writers_helper_ignores_stop_signals_and_dies_with_its_rank(tmp_path):
+    """P12 (every host, issue #25): torchrun and SLURM signal a rank's whole process group, and
+    megatron-core's checkpoint writer keeps a helper process per rank after its first save; the
+    helper must outlive the stop signal (the rank's checkpoint goes through it) and not its rank."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    assert [p.id for p in cpu_compat.EVERY_HOST_PATCHES] == ["P12"]
+    assert "| P12 |" in (ROOT / "docs" / "trainer.md").read_text()
+    rank = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import os, signal, sys, time\n"
+            "from megatron_acrl.megatron import cpu_compat\n"
+            "cpu_compat.apply()\n"
+            "import megatron.core.dist_checkpointing.strategies.filesystem_async as fs\n"
+            "q = fs._get_write_results_queue()\n"
+            "for sig in (signal.SIGTERM, signal.SIGINT):  # the rank's own handlers: noted\n"
+            "    signal.signal(sig, lambda *a: None)\n"
+            "print(os.getpid(), flush=True)\n"
+            "sys.stdin.readline()  # the test signals the group here\n"
+            "q.put('after the stop signal'); print(q.get(), flush=True)\n"
+            "time.sleep(600)\n"
+        )],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert rank.stdout is not None and rank.stdin is not None
+        assert int(rank.stdout.readline()) == rank.pid
+        helpers = psutil.Process(rank.pid).children(recursive=True)
+        assert helpers, "no helper process was started"
+        os.killpg(rank.pid, signal.SIGTERM)  # what torchrun's agent does on a stop
+        os.killpg(rank.pid, signal.SIGINT)  # and a Ctrl-C
+        rank.stdin.write("\n")
+        rank.stdin.flush()
+        assert rank.stdout.readline().strip() == "after the stop signal"  # the helper still serves
+        os.kill(rank.pid, signal.SIGKILL)  # the rank dies (a crash, the OOM killer)
+        rank.wait(60)
+        deadline = time.monotonic() + 60  # a bound, not a timing: PDEATHSIG acts at once
+        while any(h.is_running() and h.status() != psutil.STATUS_ZOMBIE for h in helpers):
+            assert time.monotonic() < deadline, f"helpers outlived their rank: {helpers}"
+            time.sleep(0.1)
+    finally:
+        rank.kill()

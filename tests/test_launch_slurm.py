@@ -226,3 +226,46 @@ def test_real_driver_job_completes_with_wandb_metrics(tmp_path):
     assert [int(r["_step"]) for r in hist] == [1, 2]
     for key in ("reward/mean", "mismatch/k3_kl", "mismatch/chi2_token", "acrl/y_over_x", "sync/seconds"):
         assert key in hist[-1], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_real_driver_preempted_checkpoints_its_step_and_resumes_each_step_once(tmp_path, launcher):
+    """The real driver (2 Megatron ranks, real checkpoints, W&B offline; recorded rollouts, no server)
+    under both launchers, SIGTERM to the job at step 3 (the time-limit signal): the ranks checkpoint
+    step 3 (megatron's checkpoint-writer helper, signalled with the step, survives: P12), the job
+    requeues and the resumed run logs steps 4-5: every step once in metrics.jsonl, never twice in W&B."""
+    from stop_runner import record_rollouts
+
+    from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
+
+    marker = tmp_path / "at-step-3.json"
+    env = {
+        "STOP_TEST_ROLLOUTS": str(record_rollouts(tmp_path / "rollouts", 5)),
+        "STOP_TEST_FAULTS": json.dumps({"at_train_step": 3, "action": "pause", "marker": str(marker)}),
+    }
+    proc = submit(
+        [TINY, "--output-dir", str(tmp_path), "--entry-module", "tests.launch_stop_trainer",
+         "--ranks-per-node", "2", "--launcher", launcher, "training.num_steps=5",
+         "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "training.micro_batch_size=4",
+         "rollout.max_prompt_len=16", "task.num_digits=1", "logging.console=false"],
+        env=env,
+    )  # fmt: skip
+    job = job_id_of(proc)
+    run = tmp_path / "tiny_dense"
+    deadline = time.monotonic() + 600  # a bound, so that a broken job fails here instead of hanging
+    while not marker.exists():
+        assert job_info(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), _log(run, job)
+        assert time.monotonic() < deadline, f"job {job} never reached step 3"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, timeout=30)
+    info = wait_job(job, timeout_s=900)
+    log = _log(run, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-6000:]
+    assert "checkpoint: step 3" in log and "resumed from step_00000003" in log, log[-6000:]
+    assert "BrokenPipe" not in log
+    assert [r["step"] for r in read_jsonl_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    # W&B: SLURM's SIGTERM reaches W&B's service process too (wandb-core dies of it): the first
+    # attempt loses what it had not written, the run goes on (docs/trainer.md); never a step twice.
+    steps = [int(r["_step"]) for r in read_wandb_history(run / "wandb")]
+    assert steps == sorted(set(steps)) and steps[-2:] == [4, 5], steps

@@ -13,8 +13,8 @@ Rules:
     workers and ``benchmarks/logprob.py``. :func:`require` (called by ``initialize_parallel`` and
     ``model.build_model_chunks``) turns a forgotten call into a clear error instead of a CUDA error
     deep inside Megatron.
-  * :func:`apply` runs the table :data:`PATCHES` in order, is idempotent and does nothing when CUDA
-    is available: on a GPU, behaviour is never changed.
+  * :func:`apply` runs the table :data:`PATCHES` in order, is idempotent and runs none of them when
+    CUDA is available: on a GPU, the compute is never changed (only P12, below, runs there).
   * Line numbers refer to megatron-core 0.16.1 (``megatron/core/...``).
 
 Import order (why :func:`apply` may run after ``megatron.core`` is imported). Every patch replaces an
@@ -32,25 +32,36 @@ thread; CPU autograd runs backward on the calling thread).
 
 Each patch is one function below, named for what it does, with the megatron-core site that needs
 it; ``docs/trainer.md`` summarises them and what newer megatron-core releases change.
+
+One patch is not about CPUs and runs on every host, GPU included (:data:`EVERY_HOST_PATCHES`, applied
+by the same :func:`apply`): P12, the helper process of megatron-core's checkpoint writer ignores the
+stop signals and dies with its rank. This is the one module that patches megatron-core.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import importlib.util
 import logging
+import multiprocessing as mp
+import os
+import signal
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["PATCHES", "Patch", "apply", "is_applied", "needed", "require"]
+__all__ = ["EVERY_HOST_PATCHES", "PATCHES", "Patch", "apply", "is_applied", "needed", "require"]
 
 _applied = False
-"""Whether :func:`apply` patched this process: the one record of the process-wide patch state."""
+"""Whether :func:`apply` patched this process for CPU: the record of the CPU patches' state."""
+_applied_every_host = False
+"""Whether :func:`apply` ran :data:`EVERY_HOST_PATCHES` in this process."""
 
 
 def needed() -> bool:
@@ -411,7 +422,56 @@ def _device_literals_to_cpu() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The table and its runner
+# P12, on every host: the checkpoint writer's helper process
+# --------------------------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _checkpoint_helper_init(parent_pid: int, die_with_parent: bool) -> None:
+    """First thing the checkpoint writer's helper (a spawned ``SyncManager`` server) runs.
+
+    Stop signals are the rank's to act on (:mod:`megatron_acrl.signals`): torchrun's agent and SLURM
+    signal the rank's whole process group, and a helper ended by that SIGTERM (the manager ignores
+    only SIGINT) takes the rank's checkpoint-on-SIGTERM down with BrokenPipe. Ignored signals stay
+    ignored; the helper still ends with the rank: ``multiprocessing``'s finaliser shuts it down at a
+    normal exit, and ``PR_SET_PDEATHSIG`` kills it when the rank dies any other way (SIGKILL, the
+    OOM killer), so no orphan holds the rank's memory or files.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not die_with_parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the finaliser still shuts it down
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the rank died before PDEATHSIG was armed
+        os._exit(0)
+
+
+def _checkpoint_helper_survives_stop_signals() -> None:
+    """P12 (every host) dist_checkpointing/strategies/filesystem_async.py:51
+    ``_get_write_results_queue`` starts a ``spawn`` ``SyncManager`` per rank at its first save and
+    keeps it for the process: the result queue of every later save goes through it. Start it with
+    :func:`_checkpoint_helper_init` (stop signals ignored, dies with the rank). ``PR_SET_PDEATHSIG``
+    fires when the *thread* that started the helper exits, so it is armed only when that thread is
+    the main thread (the trainer's saves are; a helper started elsewhere ends with the finaliser)."""
+    from multiprocessing.managers import SyncManager
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+
+    def _get_write_results_queue() -> Any:
+        if fs_async._results_queue is None:
+            manager = SyncManager(ctx=mp.get_context("spawn"))
+            main = threading.current_thread() is threading.main_thread()
+            manager.start(_checkpoint_helper_init, (os.getpid(), main))
+            fs_async._results_queue = manager.Queue()  # the proxy keeps the manager alive, as before
+        return fs_async._results_queue
+
+    fs_async._get_write_results_queue = _get_write_results_queue
+
+
+# --------------------------------------------------------------------------------------------
+# The tables and their runner
 # --------------------------------------------------------------------------------------------
 
 
@@ -436,16 +496,24 @@ PATCHES: tuple[Patch, ...] = (
     Patch("P11", _device_literals_in_recompute),
     Patch("P4", _device_literals_to_cpu),  # last: the mode stays entered on this thread
 )
-"""Every patch, in the order :func:`apply` runs them."""
+"""Every CPU patch, in the order :func:`apply` runs them."""
+
+EVERY_HOST_PATCHES: tuple[Patch, ...] = (Patch("P12", _checkpoint_helper_survives_stop_signals),)
+"""The patches :func:`apply` runs on every host, with CUDA too (before the CPU ones)."""
 
 
 def apply() -> bool:
     """Patch torch.cuda / megatron-core for CPU + gloo (idempotent). Returns True if patches are active.
 
-    Does nothing (and returns False) when CUDA is available. Call it once per process, on the
-    thread that trains, before ``initialize_parallel`` (see the module docstring).
+    The CPU patches do nothing (and it returns False) when CUDA is available; the
+    :data:`EVERY_HOST_PATCHES` run either way. Call it once per process, on the thread that trains,
+    before ``initialize_parallel`` (see the module docstring).
     """
-    global _applied
+    global _applied, _applied_every_host
+    if not _applied_every_host:
+        for patch in EVERY_HOST_PATCHES:
+            patch.apply()
+        _applied_every_host = True
     if _applied:
         return True
     if not needed():
