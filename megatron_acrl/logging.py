@@ -161,6 +161,13 @@ class RunLogger:
             flush=True,
         )
         self._wandb = None
+        # The dead run's telemetry hooks stay registered and fire on every later import of a module
+        # W&B watches (torch.distributed.checkpoint, at the step's save), each one raising the lost
+        # connection: the import, and so the checkpoint, would fail.
+        from wandb.sdk.lib import import_hooks, telemetry
+
+        for name in telemetry.list_telemetry_imports():
+            import_hooks.unregister_post_import_hook(name, self.run_id)
 
     def close(self) -> None:
         if not self.enabled:

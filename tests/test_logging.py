@@ -156,3 +156,10 @@ def test_a_wandb_service_killed_by_the_schedulers_signal_does_not_end_the_run(tm
     log.close()
     assert [r["step"] for r in read_jsonl_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     assert "W&B stopped working at step 2" in capsys.readouterr().err
+    # A module W&B watches, imported after its service died (the checkpoint's torch modules at the
+    # step's save), must import: the dead run's telemetry hooks are gone.
+    import types
+
+    from wandb.sdk.lib import import_hooks
+
+    import_hooks.notify_module_loaded(types.ModuleType("torch"))
