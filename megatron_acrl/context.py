@@ -86,10 +86,11 @@ class RunContext:
         stream, rank 0 sends the whole set (the config allows a lag only with one source), and every
         rank passes a value (the others' is ignored).
 
-        A failed sync restarts dead servers, or reconnects the synchronizer (a failed source), and
-        tries again, twice; rank 0 decides for every rank.
+        A failed sync restarts dead servers, kills and replaces hung ones (a timeout), or reconnects
+        the synchronizer (a failed source), and tries again, twice
+        (:mod:`megatron_acrl.server_recovery`); rank 0 decides for every rank.
         """
-        from megatron_acrl.server_weights import RESTART, push_from_source, recovery
+        from megatron_acrl.server_weights import push_from_source, recovery
 
         per_source = self.cfg.rollout.weight_sync == "per_source"
         for attempt in range(3):
@@ -122,11 +123,12 @@ class RunContext:
             if ok:
                 if self.servers is not None:
                     metrics["sync/restarts"] = float(self.servers.restarts)
+                    metrics["sync/hung_restarts"] = float(self.servers.hung_restarts)
                 return metrics
             log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; {action} and retry")
             if self.servers is not None:
                 try:
-                    self.servers.restart() if action == RESTART else self.servers.reconnect()
+                    self.servers.recover(action, attempt)
                 except Exception as e:  # noqa: BLE001 - the next attempt's vote keeps the ranks in step
                     log0(f"{action} failed: {type(e).__name__}: {e}")
         raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")

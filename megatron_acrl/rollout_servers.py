@@ -15,7 +15,9 @@ weights (:func:`open_weight_source`, :func:`push_from_source` on the other ranks
 synchronizer coordinates them over a control store it hosts (:attr:`RolloutServers.control`).
 
 A server that dies is restarted from the served model directory and the update group reconnected
-(:meth:`RolloutServers.restart`); the driver then re-sends the current weights and retries
+(:meth:`RolloutServers.restart`); one that hangs during a weight sync (a timeout, and no answer to a
+health request, or stopped) has its process tree killed and is replaced the same way
+(:mod:`megatron_acrl.server_recovery`); the driver then re-sends the current weights and retries
 (:meth:`megatron_acrl.context.RunContext.push_weights`, :func:`megatron_acrl.rollout.collect_rollouts`).
 
 A run owns what it starts: its servers and its clients hold one key (:func:`run_api_key`: the one
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.server_recovery import ServerRecovery
 from megatron_acrl.server_weights import (
     Meta,
     check_fp8_mode,
@@ -152,8 +155,9 @@ async def generate_groups(
     )
 
 
-class RolloutServers:
-    """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0.
+class RolloutServers(ServerRecovery):
+    """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0; what it does
+    when they fail is :class:`~megatron_acrl.server_recovery.ServerRecovery`'s.
 
     Args:
         cfg: run config.
@@ -195,13 +199,15 @@ class RolloutServers:
             )
         self.servers: list[SGLangServer] = []
         self.restarts = 0
+        self.hung_restarts = 0
+        """Servers killed and replaced because they hung during a weight sync (``sync/hung_restarts``)."""
         self.source_label = source_label
         self.address = sync_address(cfg, single_node)
         self.control: ControlStore | None = None
         """Where the other sources of a per-source sync meet rank 0's synchronizer (several only)."""
         if cfg.weight_sync_sources > 1:
             port = r.weight_sync_port or 0
-            self.control = ControlStore.host(self.address, port, timeout_s=r.request_timeout_s)
+            self.control = ControlStore.host(self.address, port, timeout_s=r.sync_timeout_s)
         self.urls = self._start()
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
@@ -297,7 +303,7 @@ class RolloutServers:
             fp8=None if self.stress else self.scheme,
             fp8_mode=self.fp8_mode,  # type: ignore[arg-type]
             pause_mode=r.pause_mode,  # what requests in flight do during an update (async RL)
-            timeout_s=r.request_timeout_s,
+            timeout_s=r.sync_timeout_s,
             master_address=self.address,
             master_port=r.weight_sync_port + 1 if r.weight_sync_port else None,
             sources=self.cfg.weight_sync_sources,
@@ -305,16 +311,6 @@ class RolloutServers:
             source_label=self.source_label,
         )
         self.synchronizer.connect()
-
-    def reconnect(self) -> None:
-        """A new synchronizer on the same servers (what a failed update with several sources asks
-        for); the other sources join its groups at their next sync."""
-        if self.synchronizer is not None:
-            try:
-                self.synchronizer.close()
-            except Exception:  # noqa: BLE001 - its groups are torn down either way
-                pass
-        self._connect()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -458,42 +454,6 @@ class RolloutServers:
             metrics["sync/sources"] = float(len(report.sources))
             metrics["sync/busiest_source_share"] = max(report.sources.values()) / max(report.num_bytes, 1)
         return metrics
-
-    # -- failures ----------------------------------------------------------------------------------
-
-    def dead_servers(self) -> list[int]:
-        return [i for i, s in enumerate(self.servers) if not s.alive()]
-
-    def restart(self) -> None:
-        """Restart dead local servers and reconnect the update group (weights must be re-sent); a
-        router that died while every server lives is started again alone."""
-        if self.router is not None and not self.router.alive() and not self.dead_servers():
-            self._restart_router()
-            self.restarts += 1
-            return
-        if not self.servers:
-            raise ServerGoneError(
-                f"an external SGLang server ({', '.join(self.urls)}) is gone (launch scripts own those)"
-            )
-        if self.synchronizer is not None:
-            try:
-                self.synchronizer.close()
-            except Exception:  # noqa: BLE001 - the peer is gone; the group is torn down either way
-                pass
-        for i in self.dead_servers() or range(len(self.servers)):
-            old = self.servers[i].url
-            if self.router is not None and old in self._routed:
-                if self.router.alive():  # a dead router is started afresh at the next sync
-                    self.router.remove_worker(old)  # back in after the next weight sync
-                self._routed.discard(old)
-            self._load.index.pop(old, None)
-            self.servers[i].stop()
-            self.servers[i] = self._server(i)
-            self.servers[i].start()
-            self._load.index[self.servers[i].url] = i
-        self.urls = [s.url for s in self.servers]
-        self.restarts += 1
-        self._connect()
 
     def close(self) -> None:
         if self.router is not None:

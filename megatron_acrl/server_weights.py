@@ -161,7 +161,7 @@ def open_weight_source(
     """A non-zero rank's weight-sync source (``index`` of ``cfg.weight_sync_sources``), on rank 0's
     control store; it joins the update group at its first sync."""
     r = cfg.rollout
-    control = ControlStore.join(*control_address, timeout_s=r.request_timeout_s)
+    control = ControlStore.join(*control_address, timeout_s=r.sync_timeout_s)
     port = r.weight_sync_port + 1 + index if r.weight_sync_port else None
     device = "cuda" if resolve_device(cfg) == "cuda" else "cpu"
     return WeightSource(control, index, label=label, address=address, port=port, device=device)
@@ -181,15 +181,19 @@ def push_from_source(
 
 
 RESTART = "restart the servers"
+HUNG = "replace the hung servers"
 RECONNECT = "reconnect the synchronizer"
 
 
 def recovery(error: BaseException, servers_dead: bool) -> str | None:
     """What a weight sync that failed on rank 0 with ``error`` calls for: :data:`RESTART` (a server
-    died: ``servers_dead``), :data:`RECONNECT` (a failed source or a hung group: new update groups),
-    or None (bad input: a retry would fail the same way)."""
+    died: ``servers_dead``), :data:`HUNG` (a server did not answer in time: kill and replace the
+    hung ones, :mod:`megatron_acrl.server_recovery`), :data:`RECONNECT` (a failed source or a broken
+    group: new update groups), or None (bad input: a retry would fail the same way)."""
     if isinstance(error, ServerGoneError) or servers_dead:
         return RESTART
+    if isinstance(error, TimeoutError):  # WeightSyncTimeoutError, or a control call's own timeout
+        return HUNG
     if isinstance(error, WeightSyncError) and not isinstance(
         error, ManifestMismatchError | StreamMismatchError
     ):

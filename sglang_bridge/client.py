@@ -21,7 +21,11 @@ prompt + output (the last output token was never fed through the model), experts
 router probability.
 
 Errors: connection failures are retried with exponential backoff; after ``retries`` attempts a
-:class:`ServerGoneError` names the server (never a hang: every request has a timeout). A non-2xx
+:class:`ServerGoneError` names the server (never a hang: every request has a timeout). A
+``/generate`` request is timed by its server's progress, not its own age
+(:class:`~sglang_bridge.progress.ServerProgress`): it raises ``TimeoutError`` once the server has
+finished none of this client's ``/generate`` requests for ``timeout_s`` while it was in flight, so
+time spent in a busy server's queue does not count; control calls time out after ``timeout_s``. A non-2xx
 answer raises :class:`SGLangHTTPError` with the server's message. A call that must not run twice (a
 weight update) is retried only if it never reached the server.
 
@@ -55,6 +59,7 @@ import aiohttp
 import orjson
 from tqdm.auto import tqdm
 
+from sglang_bridge.progress import ServerProgress
 from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
 from sglang_bridge.transport import (
     ControlConnections,
@@ -118,6 +123,8 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.original_logprobs = original_logprobs
         self.timeout_s = timeout_s
+        self.progress = ServerProgress(timeout_s)
+        """What times this client's ``/generate`` requests (module doc)."""
         self.max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
         headers = auth_headers(api_key)
@@ -161,17 +168,28 @@ class SGLangClient:
         *,
         retry_after_send: bool = True,
         timeout_s: float | None = None,
+        by_progress: bool = False,
     ) -> _Answer:
-        """Send through aiohttp with :meth:`_retrying`'s retries and errors."""
+        """Send through aiohttp with :meth:`_retrying`'s retries and errors; ``by_progress``: timed by
+        :attr:`progress` (``/generate``), not by its own age."""
         data = orjson.dumps(body) if body is not None else None
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0) if timeout_s is not None else None
+        if by_progress:
+            timeout_s = None  # no total: the progress clock ends a request its server does not serve
+        timeout = (
+            aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+            if timeout_s is not None or by_progress
+            else None
+        )
+
+        async def attempt() -> tuple[int, _Answer]:
+            async with self._session().request(
+                method, self.url + path, data=data, **({"timeout": timeout} if timeout else {})
+            ) as r:
+                return r.status, _Answer(r.status, await r.read())
 
         async def send() -> tuple[int, _Answer]:
             try:
-                async with self._session().request(
-                    method, self.url + path, data=data, **({"timeout": timeout} if timeout else {})
-                ) as r:
-                    return r.status, _Answer(r.status, await r.read())
+                return await (self.progress.wait(attempt()) if by_progress else attempt())
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
                 raise ConnectionError(f"{type(e).__name__}: {e}") from e  # nothing was sent
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
@@ -206,7 +224,8 @@ class SGLangClient:
                         "(not idempotent)"
                     ) from e
             except TimeoutError as e:  # after the request was sent
-                raise TimeoutError(f"SGLang server {self.url}{path} did not answer within the timeout") from e
+                what = f"SGLang server {self.url}{path} did not answer within the timeout"
+                raise TimeoutError(f"{what} ({e})" if str(e) else what) from e
             except OSError as e:  # could not connect: nothing was sent
                 last = e
             else:
@@ -302,7 +321,7 @@ class SGLangClient:
         prompt = [int(t) for t in prompt_ids]
         body = self._body(prompt, params, rid)
         async with self._sem:
-            out = (await self._request("POST", "/generate", body)).json()
+            out = (await self._request("POST", "/generate", body, by_progress=True)).json()
         return self._sample(prompt, out, params)
 
     async def generate_batch(
@@ -318,7 +337,7 @@ class SGLangClient:
         body = {k: [b[k] for b in bodies] for k in per_sample}
         body.update({k: v for k, v in bodies[0].items() if k not in body})  # the scalar fields
         async with self._sem:
-            outs = (await self._request("POST", "/generate", body)).json()
+            outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
         if not isinstance(outs, list) or len(outs) != len(flat):
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"batch of {len(flat)} answered with {got}")
@@ -348,7 +367,7 @@ class SGLangClient:
         body = self._body(prompt, params, rid)
         body["sampling_params"]["n"] = n
         async with self._sem:
-            outs = (await self._request("POST", "/generate", body)).json()
+            outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
         if not isinstance(outs, list) or len(outs) != n:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"group of n={n} answered with {got}")
@@ -443,7 +462,7 @@ class SGLangClient:
                 "rid": [f"acrl-score-{id(self):x}-{next(self._rid)}" for _ in seqs],
             }
             async with self._sem:
-                outs = (await self._request("POST", "/generate", body)).json()
+                outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
             if not isinstance(outs, list) or len(outs) != len(seqs):
                 raise SGLangHTTPError(
                     self.url, "/generate", 200, f"scoring {len(seqs)} sequences: {outs!r:.200}"

@@ -49,6 +49,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
 
+from sglang_bridge import proctree
 from sglang_bridge.cpu_compat import HOOKS_ENV
 from sglang_bridge.listeners import WILDCARDS, port_holder, port_is_free
 from sglang_bridge.server_key import KeyFile, LogPump, open_private_log
@@ -438,20 +439,31 @@ class SGLangServer(ChildProcess):
         self.wait_healthy()
         return self
 
+    def frozen(self) -> list[int]:
+        """The pids of this server's process tree that are stopped (SIGSTOP: they run no code
+        until continued, so they answer nothing and act on no signal but SIGKILL)."""
+        if not self.alive():
+            return []
+        assert self._proc is not None
+        return proctree.stopped([self._proc.pid, *(p for p, _ in proctree.descendants(self._proc.pid))])
+
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``. Idempotent."""
+        """Stop the whole process tree: SIGTERM, then SIGKILL after ``grace_s`` (at once when a
+        process of it is stopped: it cannot act on SIGTERM). Idempotent; the registry forgets it."""
         proc = self._proc
         if proc is not None:
-            if proc.poll() is None:
+            # Collected first: a child whose parent is gone can no longer be found (proctree doc).
+            tree = proctree.descendants(proc.pid) if proc.poll() is None else []
+            if proc.poll() is None and not self.frozen():
                 self._signal_group(signal.SIGTERM)
                 try:
                     proc.wait(timeout=grace_s)
                 except subprocess.TimeoutExpired:
                     pass
-            # Children (scheduler, detokenizer) may outlive the main process: kill the group regardless.
-            self._signal_group(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace_s)
+            # Children (scheduler, detokenizer) may outlive the main process: kill the tree regardless.
+            proctree.kill_tree(proc.pid, tree)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: alive() is False after stop()
+                proc.wait(timeout=max(grace_s, 10.0))
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if self._pump is not None:

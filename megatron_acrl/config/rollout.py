@@ -141,10 +141,20 @@ class RolloutConfig(_Section):
     routing metrics (trainer-vs-rollout expert disagreement) with replay off or train."""
 
     request_timeout_s: float = 600.0
-    """Timeout of one /generate request."""
+    """Timeout of a /generate request, counted from when it was sent or when its server last finished
+    a request, whichever is later: time spent waiting in a busy server's queue does not count, so a
+    rollout may last far longer as long as the server keeps finishing requests (a request that would
+    take longer than this to serve on its own, or a hung server, still times out; docs/bridge.md,
+    "Timeouts"). Control calls (pause, health) time out after it too."""
 
     startup_timeout_s: float = 300.0
     """How long to wait for a server to become healthy."""
+
+    weight_sync_timeout_s: float | None = None
+    """How long one step of a weight sync may take (every server joining a bucket's broadcast,
+    answering an update call, joining the update group); null: request_timeout_s. A local server that
+    misses it and then answers no health request (or is stopped) is hung: its process tree is killed,
+    a fresh server started and the sync retried (docs/bridge.md, "A hung server in a run")."""
 
     # -- asynchronous RL and weight lag (docs/async.md) --
 
@@ -210,6 +220,11 @@ class RolloutConfig(_Section):
     loopback when the driver starts its servers itself, else the source node's host name."""
 
     @property
+    def sync_timeout_s(self) -> float:
+        """:attr:`weight_sync_timeout_s`, else :attr:`request_timeout_s`."""
+        return self.request_timeout_s if self.weight_sync_timeout_s is None else self.weight_sync_timeout_s
+
+    @property
     def stress_quantization(self) -> bool:
         """True when any stress emulation option departs from plain e4m3 (round to nearest, bf16 routers)."""
         return (
@@ -240,6 +255,12 @@ class RolloutConfig(_Section):
                 name,
                 f"must be > 0 seconds, got {getattr(self, name)} (a timeout of 0 fails every request)",
             )
+        _check(
+            e,
+            self.weight_sync_timeout_s is None or self.weight_sync_timeout_s > 0,
+            "weight_sync_timeout_s",
+            f"must be > 0 seconds or null (request_timeout_s), got {self.weight_sync_timeout_s}",
+        )
         _check(
             e,
             not (self.fp8_mode == "real" and self.device == "cpu" and self.quantization != "none"),
