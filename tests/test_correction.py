@@ -521,6 +521,11 @@ def test_batch_weight_mean_is_the_plain_mean_and_normalises_every_micro_batch(fu
     lq1[0, 0] = lp[0, 0] - 0.2  # rho = e^0.2 inside the clip: a weight of 1.22 before normalising
     w = compute_correction(cfg, MismatchTensors(lp, lq1, one, fused=fused), num_tokens=1, num_seqs=1).weights
     assert w[0, 0].item() == pytest.approx(1.0, rel=1e-6) and w.sum().item() == pytest.approx(1.0, rel=1e-6)
+    # a method with sequence rows (their metrics are dropped, the mean is still the plain one)
+    seq = CorrectionConfig(method="seq_tis", seq_high=1.5, masks=("geo_mis",), batch_normalize=True)
+    plain = ref_weights(dataclasses.replace(seq, batch_normalize=False), lp, lq, mask)
+    mean = batch_weight_mean(seq, MismatchTensors(lp, lq, mask, fused=fused))
+    assert mean.item() == pytest.approx(sum(map(sum, plain)) / n_tok, rel=1e-6)
 
 
 def test_valid_mask_drops_masked_and_nonfinite_tokens():
