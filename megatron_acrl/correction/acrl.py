@@ -147,13 +147,13 @@ def acrl_alpha(advantages: Tensor, coef: Tensor | float, alpha_max: float | None
     """``alpha = sign(A) * c`` (``c`` from :func:`acrl_coefficient`), bounded to ``|alpha| <= alpha_max``.
 
     Args:
-        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used (0 for NaN, as in
-            the fused kernel: a NaN advantage on padding must not reach a weight).
+        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used (``torch.sign``
+            of NaN is 0, as in the fused kernel: a NaN advantage on padding reaches no weight).
         coef: a float or ``[B, 1]`` (one per sequence), in the weights' dtype.
     Returns:
         ``alpha`` broadcast to ``advantages``' shape.
     """
-    alpha = torch.sign(advantages.detach()).nan_to_num_(0.0) * coef
+    alpha = torch.sign(advantages.detach()) * coef
     if alpha_max is not None:
         alpha = alpha.clamp(-alpha_max, alpha_max)
     return alpha

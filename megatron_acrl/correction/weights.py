@@ -203,8 +203,8 @@ def _acrl(
     buf = torch.empty((2 + len(names), *sh.mask_in.shape), dtype=torch.float64, device=sh.mask_in.device)
     weights, _, alpha, alpha_abs, saturated = buf.unbind(0)
     mf = sh.mask_f
-    # alpha is 0 off the valid tokens (sign(NaN) is 0, as in the fused kernel, so nothing leaks
-    # through the product), and so is log rho: the weight there is exp(0) = 1 until the final mask.
+    # alpha is 0 off the valid tokens (torch.sign(NaN) is 0, so nothing leaks through the product),
+    # and so is log rho: the weight there is exp(0) = 1 until the final mask.
     torch.mul(acrl_alpha(adv, coef, cfg.alpha_max), mf, out=alpha)
     exponent = alpha * sh.clamped
     torch.abs(exponent, out=saturated).ge_(LOG_RATIO_BOUND)  # the weight is cut at e^+-BOUND
