@@ -238,10 +238,10 @@ def token_row_metrics(
     keys = (prefix + "weight_mean", prefix + "weight_dev_sq_mean", *names)
     out = dict(zip(keys, sums.unbind(0), strict=True))
     if w.numel() == 0:  # an empty micro-batch: max/min of nothing, without reducing an empty tensor
-        ext = cached_const((-math.inf, math.inf), w.dtype, w.device)
-    else:
-        ext = torch.stack([(w + pad).amax(), (w - pad).amin()])
-    out[prefix + "weight_max"], out[prefix + "weight_min"] = ext.unbind(0)
+        w_max, w_min = cached_const((-math.inf, math.inf), w.dtype, w.device).unbind(0)
+    else:  # two scalars as they come (a stack and an unbind would be two more calls)
+        w_max, w_min = (w + pad).amax(), (w - pad).amin()
+    out[prefix + "weight_max"], out[prefix + "weight_min"] = w_max, w_min
     return out
 
 
