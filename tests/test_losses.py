@@ -378,3 +378,14 @@ def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
     assert set(met) == {"sft/nll"} and met["sft/nll"].item() == loss.item()
     (grad,) = torch.autograd.grad(loss, lp)
     torch.testing.assert_close(grad, -mask.double() / 5)
+
+
+def test_k3_saturates_the_log_ratio_at_20_and_names_unknown_estimators():
+    """k3 = r - 1 - log r with log r cut to [-20, 20] (as rho everywhere): from the definition."""
+    ref = torch.zeros(1, 4, dtype=torch.float64)
+    logp = torch.tensor([[25.0, 20.5, -0.5, -25.0]], dtype=torch.float64)  # log r = ref - logp
+    got = kl_penalty(logp, ref, "k3")[0].tolist()
+    want = [math.exp(c) - 1.0 - c for c in (-20.0, -20.0, 0.5, 20.0)]
+    assert got == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^unknown KL estimator 'k2'; use k1 or k3"):
+        kl_penalty(logp, ref, "k2")
