@@ -389,3 +389,24 @@ def test_k3_saturates_the_log_ratio_at_20_and_names_unknown_estimators():
     assert got == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match=r"^unknown KL estimator 'k2'; use k1 or k3"):
         kl_penalty(logp, ref, "k2")
+
+
+def test_pg_metrics_and_a_binding_dual_clip_by_hand():
+    """Four tokens worked by hand (clip 0.2 / 0.28, dual clip 3): r = 1 (A = 1) unclipped, r = 1.5
+    (A = 1) clipped to 1.28, r = 0.5 (A = -1) clipped to 0.8, r = 5 (A = -1) bounded by the dual
+    clip at 3. pg_clipfrac counts the two clipped tokens; ppo_kl is the mean of log pi_old - log pi."""
+    ratios = [1.0, 1.5, 0.5, 5.0]
+    lp_old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    x = (lp_old + torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    cfg = CorrectionConfig(method="none")
+    for dual, terms in ((3.0, [-1.0, -1.28, 0.8, 3.0]), (None, [-1.0, -1.28, 0.8, 5.0])):
+        alg = AlgorithmConfig(loss_agg="token-mean", clip_low=0.2, clip_high=0.28, dual_clip=dual)
+        loss, metrics = _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg)
+        assert loss.item() == pytest.approx(sum(terms) / 4, rel=1e-12), dual
+        assert float(metrics["loss/pg_clipfrac"]) == pytest.approx(2 / 4), dual
+        assert float(metrics["loss/ppo_kl"]) == pytest.approx(
+            -sum(math.log(r) for r in ratios) / 4, rel=1e-12
+        )
+        assert float(metrics["loss/pg_loss"]) == pytest.approx(sum(terms) / 4, rel=1e-12)
