@@ -410,3 +410,28 @@ def test_pg_metrics_and_a_binding_dual_clip_by_hand():
             -sum(math.log(r) for r in ratios) / 4, rel=1e-12
         )
         assert float(metrics["loss/pg_loss"]) == pytest.approx(sum(terms) / 4, rel=1e-12)
+
+
+def test_regularizer_metrics_and_the_norm_len_argument_by_hand():
+    """KL (k1) and entropy terms on three valid tokens and one padded one, worked by hand: their
+    token means, the total, the message when the reference log-probs are missing, and a norm_len
+    passed to rl_loss overriding algorithm.loss_norm_len."""
+    lp_old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    x = lp_old.clone().requires_grad_()  # r = 1 everywhere: the surrogate is -A per token
+    adv = torch.tensor([[1.0, -2.0, 0.5, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    ref = torch.tensor([[-1.5, -0.5, -1.0, 7.0]], dtype=torch.float64)  # k1 = x - ref: 0.5, -0.5, 0
+    ent = torch.tensor([[0.3, 0.6, 0.9, 50.0]], dtype=torch.float64)
+    cfg = CorrectionConfig(method="none")
+    alg = AlgorithmConfig(loss_agg="token-mean", kl_coef=0.1, kl_type="k1", entropy_coef=0.01)
+    loss, m = _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg, entropy=ent, ref=ref)
+    pg, kl, h = (-1.0 + 2.0 - 0.5) / 3, (0.5 - 0.5 + 0.0) / 3, (0.3 + 0.6 + 0.9) / 3
+    assert float(m["loss/kl_ref"]) == pytest.approx(kl, abs=1e-15)
+    assert float(m["loss/entropy"]) == pytest.approx(h, rel=1e-12)
+    assert float(m["loss/total"]) == pytest.approx(pg + 0.1 * kl - 0.01 * h, rel=1e-12)
+    assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * h, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_coef > 0 needs ref_logprobs"):
+        _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg, entropy=ent)
+    norm = AlgorithmConfig(loss_agg="seq-mean-token-sum-norm", loss_norm_len=2)
+    loss, _ = _loss(x, lp_old, lp_old.clone(), adv, mask, norm, cfg, norm_len=8)
+    assert loss.item() == pytest.approx((-1.0 + 2.0 - 0.5) / 8, rel=1e-12)  # one sequence, / norm_len 8
