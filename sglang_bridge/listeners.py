@@ -123,6 +123,28 @@ def address_towards(url: str) -> str:
         return str(s.getsockname()[0])
 
 
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 ``address`` (``eth0``), or
+    None when none does (another machine's address, a name, IPv6, or not Linux)."""
+    try:
+        want = socket.inet_aton(address)
+    except OSError:
+        return None
+    try:
+        import fcntl
+        import struct
+    except ImportError:  # pragma: no cover - not a POSIX system
+        return None
+    siocgifaddr = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):  # an interface without an IPv4 address
+                req = struct.pack("256s", name.encode()[:15])
+                if fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24] == want:
+                    return name
+    return None
+
+
 def port_is_free(host: str, port: int) -> bool:
     """True when a listener could bind ``port`` on ``host``'s address right now."""
     try:

@@ -75,6 +75,28 @@ def test_state_dict_round_trip_and_errors():
         AcrlController(cfg).update(torch.zeros(2))
 
 
+def test_controller_edges_inputs_messages_and_the_first_warning():
+    """Sums as a tuple or a tensor, a batch of one sequence, the text of each refusal, the deferred
+    signal's X (the documented default floor of prob_abs, 1e-5), and a warning on the first batch."""
+    cfg = CorrectionConfig(method="acrl")
+    for sums in ((0.3, 2.0), torch.tensor([0.3, 2.0], dtype=torch.float64)):
+        sig = AcrlController(cfg).update(sums)
+        assert (sig.x, sig.y) == pytest.approx((0.15, 0.15)) and not sig.deferred
+    one = AcrlController(cfg).update((0.02, 1.0))  # one valid sequence is a batch
+    assert one.y == pytest.approx(0.02) and not one.deferred
+    with pytest.raises(RuntimeError, match=r"^AcrlController\.signal\(\) before the first update\(\)"):
+        AcrlController(cfg).signal()
+    with pytest.raises(ValueError, match=r"^ACRL update with no valid sequence"):
+        AcrlController(cfg).update((0.0, 0.0))
+    with pytest.raises(ValueError, match=r"^ACRL discrepancy is not finite \(Y=nan\)"):
+        AcrlController(cfg).update((math.nan, 2.0))
+    deferred = AcrlController(cfg).update((0.0, 4.0))
+    assert deferred.deferred and deferred.x == 1e-5
+    ctl = AcrlController(cfg)
+    ctl.update((0.04, 4.0))
+    assert ctl.check_weights({"correction/weight_max": 500.0, "correction/weight_min": 0.9}) is not None
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.sampled_from([0.0, 1e-9, 2e-6, 3e-5, 0.002, 0.01, 0.05, 0.3]), min_size=1, max_size=8),

@@ -521,6 +521,11 @@ def test_batch_weight_mean_is_the_plain_mean_and_normalises_every_micro_batch(fu
     lq1[0, 0] = lp[0, 0] - 0.2  # rho = e^0.2 inside the clip: a weight of 1.22 before normalising
     w = compute_correction(cfg, MismatchTensors(lp, lq1, one, fused=fused), num_tokens=1, num_seqs=1).weights
     assert w[0, 0].item() == pytest.approx(1.0, rel=1e-6) and w.sum().item() == pytest.approx(1.0, rel=1e-6)
+    # a method with sequence rows (their metrics are dropped, the mean is still the plain one)
+    seq = CorrectionConfig(method="seq_tis", seq_high=1.5, masks=("geo_mis",), batch_normalize=True)
+    plain = ref_weights(dataclasses.replace(seq, batch_normalize=False), lp, lq, mask)
+    mean = batch_weight_mean(seq, MismatchTensors(lp, lq, mask, fused=fused))
+    assert mean.item() == pytest.approx(sum(map(sum, plain)) / n_tok, rel=1e-6)
 
 
 def test_valid_mask_drops_masked_and_nonfinite_tokens():
@@ -559,3 +564,68 @@ def test_an_unknown_distance_is_named():
     with pytest.raises(ValueError) as err:
         acrl_discrepancy_stats(MismatchTensors(lp, lq, mask, fused=False), "l2")
     assert str(err.value) == "correction.distance must be prob_abs, logprob_abs or k3; got 'l2'"
+
+
+def _one_ratio_per_sequence(s: list[float], t: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 log-probs whose sequence i has sum_t log rho = s[i] exactly (all on its first token)."""
+    lp = torch.full((len(s), t), -1.0, dtype=torch.float64)
+    lq = lp.clone()
+    lq[:, 0] = -1.0 - torch.tensor(s, dtype=torch.float64)
+    return lp, lq, torch.ones(len(s), t, dtype=torch.bool)
+
+
+def test_sequence_bands_at_their_edges_and_beyond_the_saturation():
+    """Written from the definitions, not the code: a band [low, high] keeps prod rho on its edges
+    (low = 0: no lower edge), a sequence weight saturates at e^+-20, and a clip fraction counts only
+    ratios strictly outside the band."""
+    # float64 log-probs, so the ratios are exact: the PyTorch path (the fused pass takes float32)
+    lp, lq, mask = _one_ratio_per_sequence([0.0, 25.0, -25.0, 1.0])
+    n_tok, n_seq = int(mask.sum()), 4
+
+    def weights(**kw) -> tuple[list[float], dict[str, float]]:
+        corr = compute_correction(
+            CorrectionConfig(**kw),
+            MismatchTensors(lp, lq, mask, fused=False),
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+        )
+        return corr.weights[:, 0].tolist(), finalize_metrics(corr.metrics)
+
+    e20 = math.exp(20.0)
+    # prod rho = 1 on both edges of [1, 2] and [0.5, 1]: kept (geo_mis keeps with weight 1)
+    for lo, hi in ((1.0, 2.0), (0.5, 1.0)):
+        w, _ = weights(method="geo_mis", geo_low=lo, geo_high=hi)
+        assert w[0] == 1.0, (lo, hi)
+        w, _ = weights(method="seq_mis", seq_low=lo, seq_high=hi)
+        assert w[0] == 1.0 and w[1] == w[2] == 0.0, (lo, hi)  # e^+-25 outside: masked
+    # low = 0: every ratio down to 0 is in; beyond +-20 the weight saturates
+    w, _ = weights(method="seq_mis", seq_low=0.0, seq_high=1e12)
+    assert w[:3] == pytest.approx([1.0, e20, 1.0 / e20], rel=1e-12) and w[3] == pytest.approx(
+        math.e, rel=1e-12
+    )
+    w, m = weights(method="seq_tis", seq_low=0.0, seq_high=1e12)
+    assert w[:3] == pytest.approx([1.0, e20, 1.0 / e20], rel=1e-12)
+    assert m["correction/seq_clip_frac_high"] == 0.0 and m["correction/seq_clip_frac_low"] == 0.0
+    # a ratio exactly on an edge is not clipped; e^1 above a high edge of 1 is
+    _, m = weights(method="seq_tis", seq_low=0.5, seq_high=1.0)
+    assert m["correction/seq_clip_frac_high"] == pytest.approx(2 / 4)  # e^25 and e^1, not e^0
+    _, m = weights(method="seq_tis", seq_low=1.0, seq_high=2.0)
+    assert m["correction/seq_clip_frac_low"] == pytest.approx(1 / 4)  # e^-25, not e^0
+
+
+def test_acrl_refuses_to_run_without_advantages_or_signal():
+    lp, lq, mask = _one_ratio_per_sequence([0.1, 0.2])
+    sh = MismatchTensors(lp, lq, mask, fused=False)
+    cfg = CorrectionConfig(method="acrl")
+    adv = torch.ones(2, 1, dtype=torch.float64)
+    for kw in ({"advantages": adv}, {"acrl": AcrlSignal(x=0.1, y=0.1)}):
+        with pytest.raises(
+            ValueError, match=r"^correction\.method=acrl needs advantages and the controller's"
+        ):
+            compute_correction(cfg, sh, num_tokens=8, num_seqs=2, **kw)
+
+
+def test_fused_pass_takes_only_float32_on_both_sides():
+    lp, lq, mask, _ = make_batch()
+    for a, b in ((lp.double(), lq), (lp, lq.double()), (lp.double(), lq.double())):
+        assert not fused_cpu.usable(a, b, mask)

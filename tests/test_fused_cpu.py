@@ -162,6 +162,33 @@ def test_acrl_weights_and_metrics_equal_pytorch_path(overrides, adv_layout):
         assert m_f["acrl/saturated_frac"] > 0
 
 
+def test_a_nan_advantage_has_no_sign_on_either_kernel():
+    """sign(NaN) is 0 (the reference's, the C loop's, torch.sign's): on padding it reaches no weight
+    or metric (the PyTorch path masks alpha by a product now, not a where), on a valid token its
+    weight is rho^0 = 1."""
+    lp, lq, mask, adv = batch(5)
+    b, t = lp.shape
+    adv = adv.expand(b, t).clone()
+    pad_at = (~mask).nonzero()[0]
+    adv[pad_at[0], pad_at[1]] = math.nan
+    valid_at = mask.nonzero()[3]
+    adv[valid_at[0], valid_at[1]] = math.nan
+    cfg = CorrectionConfig(method="acrl")
+    sig = AcrlSignal(x=0.02, y=0.05)
+    n_tok = int(mask.sum())
+    w_ref, m_ref = ref_correction(cfg, lp, lq, mask, adv, x=sig.x, y=sig.y)
+    for fused in (True, False):
+        sh = MismatchTensors(lp, lq, mask, fused=fused)
+        corr = compute_correction(cfg, sh, num_tokens=n_tok, num_seqs=b, advantages=adv, acrl=sig)
+        torch.testing.assert_close(
+            corr.weights.double(), torch.tensor(w_ref, dtype=torch.float64), rtol=1e-5, atol=1e-6
+        )
+        assert corr.weights[valid_at[0], valid_at[1]].item() == 1.0
+        got = finalize_metrics(corr.metrics)
+        for k, v in m_ref.items():
+            assert got[k] == pytest.approx(v, rel=2e-5, abs=1e-7), (fused, k)
+
+
 def test_saturated_and_extreme_log_ratios():
     """exp/expm1 polynomials over the whole clamped range, against float64."""
     d = torch.linspace(-30, 30, 4001)

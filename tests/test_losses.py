@@ -378,3 +378,60 @@ def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
     assert set(met) == {"sft/nll"} and met["sft/nll"].item() == loss.item()
     (grad,) = torch.autograd.grad(loss, lp)
     torch.testing.assert_close(grad, -mask.double() / 5)
+
+
+def test_k3_saturates_the_log_ratio_at_20_and_names_unknown_estimators():
+    """k3 = r - 1 - log r with log r cut to [-20, 20] (as rho everywhere): from the definition."""
+    ref = torch.zeros(1, 4, dtype=torch.float64)
+    logp = torch.tensor([[25.0, 20.5, -0.5, -25.0]], dtype=torch.float64)  # log r = ref - logp
+    got = kl_penalty(logp, ref, "k3")[0].tolist()
+    want = [math.exp(c) - 1.0 - c for c in (-20.0, -20.0, 0.5, 20.0)]
+    assert got == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^unknown KL estimator 'k2'; use k1 or k3"):
+        kl_penalty(logp, ref, "k2")
+
+
+def test_pg_metrics_and_a_binding_dual_clip_by_hand():
+    """Four tokens worked by hand (clip 0.2 / 0.28, dual clip 3): r = 1 (A = 1) unclipped, r = 1.5
+    (A = 1) clipped to 1.28, r = 0.5 (A = -1) clipped to 0.8, r = 5 (A = -1) bounded by the dual
+    clip at 3. pg_clipfrac counts the two clipped tokens; ppo_kl is the mean of log pi_old - log pi."""
+    ratios = [1.0, 1.5, 0.5, 5.0]
+    lp_old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    x = (lp_old + torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    cfg = CorrectionConfig(method="none")
+    for dual, terms in ((3.0, [-1.0, -1.28, 0.8, 3.0]), (None, [-1.0, -1.28, 0.8, 5.0])):
+        alg = AlgorithmConfig(loss_agg="token-mean", clip_low=0.2, clip_high=0.28, dual_clip=dual)
+        loss, metrics = _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg)
+        assert loss.item() == pytest.approx(sum(terms) / 4, rel=1e-12), dual
+        assert float(metrics["loss/pg_clipfrac"]) == pytest.approx(2 / 4), dual
+        assert float(metrics["loss/ppo_kl"]) == pytest.approx(
+            -sum(math.log(r) for r in ratios) / 4, rel=1e-12
+        )
+        assert float(metrics["loss/pg_loss"]) == pytest.approx(sum(terms) / 4, rel=1e-12)
+
+
+def test_regularizer_metrics_and_the_norm_len_argument_by_hand():
+    """KL (k1) and entropy terms on three valid tokens and one padded one, worked by hand: their
+    token means, the total, the message when the reference log-probs are missing, and a norm_len
+    passed to rl_loss overriding algorithm.loss_norm_len."""
+    lp_old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    x = lp_old.clone().requires_grad_()  # r = 1 everywhere: the surrogate is -A per token
+    adv = torch.tensor([[1.0, -2.0, 0.5, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    ref = torch.tensor([[-1.5, -0.5, -1.0, 7.0]], dtype=torch.float64)  # k1 = x - ref: 0.5, -0.5, 0
+    ent = torch.tensor([[0.3, 0.6, 0.9, 50.0]], dtype=torch.float64)
+    cfg = CorrectionConfig(method="none")
+    alg = AlgorithmConfig(loss_agg="token-mean", kl_coef=0.1, kl_type="k1", entropy_coef=0.01)
+    loss, m = _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg, entropy=ent, ref=ref)
+    pg, kl, h = (-1.0 + 2.0 - 0.5) / 3, (0.5 - 0.5 + 0.0) / 3, (0.3 + 0.6 + 0.9) / 3
+    assert float(m["loss/kl_ref"]) == pytest.approx(kl, abs=1e-15)
+    assert float(m["loss/entropy"]) == pytest.approx(h, rel=1e-12)
+    assert float(m["loss/total"]) == pytest.approx(pg + 0.1 * kl - 0.01 * h, rel=1e-12)
+    assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * h, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_coef > 0 needs ref_logprobs"):
+        _loss(x, lp_old, lp_old.clone(), adv, mask, alg, cfg, entropy=ent)
+    norm = AlgorithmConfig(loss_agg="seq-mean-token-sum-norm", loss_norm_len=2)
+    loss, _ = _loss(x, lp_old, lp_old.clone(), adv, mask, norm, cfg, norm_len=8)
+    assert loss.item() == pytest.approx((-1.0 + 2.0 - 0.5) / 8, rel=1e-12)  # one sequence, / norm_len 8

@@ -118,7 +118,10 @@ def acrl_discrepancy_stats(sh: MismatchTensors, distance: str) -> Tensor:
     row = _distance_row(distance)
     if sh.discrepancy is not None:  # the fused pass summed them already
         return sh.discrepancy[fused_cpu.DISCREPANCY_INDEX[row]]
-    return torch.stack([sh.seq_mean(row), sh.valid_f]).sum(-1)
+    r, n = sh.row(row), sh.row("mask")
+    # rows r and n of the means, as one strided view (the mean of the mask row is 1 for a valid
+    # sequence, 0 for an empty one): one reduction, no stack
+    return sh.seq_means[r : n + 1 : n - r].sum(-1)
 
 
 def acrl_coefficient(cfg: CorrectionConfig, signal: AcrlSignal, sh: MismatchTensors) -> Tensor | float:
@@ -144,7 +147,8 @@ def acrl_alpha(advantages: Tensor, coef: Tensor | float, alpha_max: float | None
     """``alpha = sign(A) * c`` (``c`` from :func:`acrl_coefficient`), bounded to ``|alpha| <= alpha_max``.
 
     Args:
-        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used.
+        advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used (``torch.sign``
+            of NaN is 0, as in the fused kernel: a NaN advantage on padding reaches no weight).
         coef: a float or ``[B, 1]`` (one per sequence), in the weights' dtype.
     Returns:
         ``alpha`` broadcast to ``advantages``' shape.

@@ -29,13 +29,13 @@ from torch import Tensor
 from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.mismatch import LOG_RATIO_BOUND, MismatchTensors, cached_const
 
+_KINDS = frozenset(("max", "min", "lse"))
+
 
 def reduce_kind(name: str) -> str:
     """How partial metric ``name`` combines across micro-batches / ranks: sum, max, min or lse."""
-    for suffix in ("max", "min", "lse"):
-        if name.endswith("_" + suffix):
-            return suffix
-    return "sum"
+    _, sep, suffix = name.rpartition("_")
+    return suffix if sep and suffix in _KINDS else "sum"
 
 
 def combine_partials(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -114,10 +114,10 @@ def _mismatch_partials(sh: MismatchTensors, num_tokens: int | Tensor, num_seqs: 
     """The PyTorch path of :func:`mismatch_metrics`: ``[len(_MISMATCH_NAMES)]`` float64, in order."""
     ss = sh.seq_sums
     f64, dev = ss.dtype, ss.device
-    tok = ss[2:8].sum(-1) * _denominator(num_tokens, ss)
-    bad = ss[9:].sum(-1)
+    sums = ss[2:].sum(-1)  # rows 2..9 over sequences in one reduction: token rows, mask, non-finite
+    tok, bad = sums[:6] * _denominator(num_tokens, ss), sums[7:]
     # Per sequence: -mean log pi_old, -mean log mu (the log perplexities), d = mean log(mu / pi_old).
-    nm = ss[:3] / sh.lens_c * cached_const(((-1.0,), (-1.0,), (1.0,)), f64, dev)
+    nm = sh.seq_means[:3] * cached_const(((-1.0,), (-1.0,), (1.0,)), f64, dev)
     bound = LOG_RATIO_BOUND  # exp(d) is saturated like rho
     ppl = torch.exp(
         nm.clamp(
@@ -192,26 +192,56 @@ def weight_metrics(
         ``weight_mean``, ``weight_dev_sq_mean`` (``E[(w - 1)^2]``, sum-reduced; the std, ``E[w^2]``
         and ``ess`` are derived in :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
     """
+    extra = extra_token_rows or {}
     w = weights.detach()
-    if w.dtype != torch.float64:  # the std is a difference of two sums: square in float64
-        w = w.double()
-    if pad is None:
+    rows = torch.empty((2 + len(extra), *w.shape), dtype=torch.float64, device=w.device)
+    rows[0].copy_(w)
+    for i, row in enumerate(extra.values()):
+        rows[2 + i].copy_(row)
+    if mask_f is None or pad is None:
         m = mask if mask.dtype == torch.bool else mask.bool()
-        pad = torch.where(m, cached_const(0.0, w.dtype, w.device), cached_const(-math.inf, w.dtype, w.device))
+        mask_f = m.to(torch.float64)
+        pad = torch.where(
+            m, cached_const(0.0, torch.float64, w.device), cached_const(-math.inf, torch.float64, w.device)
+        )
+    return token_row_metrics(rows, tuple(extra), num_tokens=num_tokens, mask_f=mask_f, pad=pad, prefix=prefix)
+
+
+def token_row_metrics(
+    rows: Tensor,
+    names: tuple[str, ...],
+    *,
+    num_tokens: int | Tensor,
+    mask_f: Tensor,
+    pad: Tensor,
+    prefix: str = "correction/",
+) -> dict[str, Tensor]:
+    """:func:`weight_metrics` of weights already laid out with their extra rows in one buffer.
+
+    A method that writes its weights and rows into one buffer (``acrl``) spares the copies and
+    the stack: the whole set is one reduction.
+
+    Args:
+        rows: ``[2 + K, B, T]`` float64: row 0 the weights (0 off the valid tokens), row 1 scratch
+            (overwritten with ``(w - 1)^2``), rows 2.. the extra token rows named by ``names``
+            (0 off the valid tokens).
+        mask_f: ``[B, T]`` float64, 1 on the valid tokens; pad: ``[B, T]``, 0 on them, -inf elsewhere.
+    Returns:
+        As :func:`weight_metrics`.
+    """
+    w = rows[0]
     # The std is sqrt(E[(w - 1)^2] - (E[w] - 1)^2): weights live near 1, and about 1 that difference
     # of two sums loses nothing (E[w^2] - E[w]^2 loses 7 digits of a std of 3e-5, even in float64).
-    dev = torch.sub(w, mask_f if mask_f is not None else mask.to(w.dtype))  # w - 1 on valid tokens, else 0
-    rows = {
-        prefix + "weight_mean": w,
-        prefix + "weight_dev_sq_mean": dev.mul_(dev),
-        **(extra_token_rows or {}),
-    }
-    out = row_sums(rows, {}, num_tokens=num_tokens, num_seqs=1)
+    torch.sub(w, mask_f, out=rows[1]).square_()  # w - 1 on valid tokens, else 0
+    sums = rows.sum((1, 2))
+    sums = sums * _denominator(num_tokens, sums)
+    keys = (prefix + "weight_mean", prefix + "weight_dev_sq_mean", *names)
+    out = dict(zip(keys, sums.unbind(0), strict=True))
     if w.numel() == 0:  # an empty micro-batch: max/min of nothing, without reducing an empty tensor
-        ext = cached_const((-math.inf, math.inf), w.dtype, w.device)
-    else:
-        ext = torch.stack([(w + pad).amax(), (w - pad).amin()])
-    out[prefix + "weight_max"], out[prefix + "weight_min"] = ext.unbind(0)
+        w_max, w_min = cached_const((-math.inf, math.inf), w.dtype, w.device).unbind(0)
+    else:  # two scalars as they come (a stack and an unbind would be two more calls)
+        w_max, w_min = (w + pad).amax(), (w - pad).amin()
+    out[prefix + "weight_max"], out[prefix + "weight_min"] = w_max, w_min
     return out
 
 
@@ -222,7 +252,7 @@ def _to_floats(values: list[Tensor]) -> list[float]:
     are copied once each instead of stacking dozens of scalars (each stack input is a dispatch).
     On CPU there is no device to synchronise with and reading each scalar is cheapest.
     """
-    if all(v.device.type == "cpu" for v in values):
+    if all(v.is_cpu for v in values):  # (not v.device.type: a device object per value costs 1 us)
         return [v.item() for v in values]
     sources: list[Tensor] = []
     where: dict[int, int] = {}  # id(source) -> index into sources
@@ -258,13 +288,15 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
         return {}
     out = dict(zip(keys, _to_floats([partials[k] for k in keys]), strict=True))
     for k in keys:
-        kind = reduce_kind(k)
+        v = out[k]
         if k.endswith("chi2_seq_lse"):
-            lse = out.pop(k)
-            chi2 = math.exp(lse) - 1.0 if lse < 700 else math.inf  # e^700 ~ 1e304: the edge of float64
-            out[k[: -len("_lse")]] = math.nan if lse == -math.inf else chi2
-        elif (kind == "max" and out[k] == -math.inf) or (kind == "min" and out[k] == math.inf):
-            out[k] = math.nan  # the identity of the reduction: nothing was reduced
+            del out[k]
+            chi2 = math.exp(v) - 1.0 if v < 700 else math.inf  # e^700 ~ 1e304: the edge of float64
+            out[k[: -len("_lse")]] = math.nan if v == -math.inf else chi2
+        elif v in (math.inf, -math.inf):  # (most values are finite: the suffix is read only here)
+            kind = reduce_kind(k)
+            if (kind == "max" and v == -math.inf) or (kind == "min" and v == math.inf):
+                out[k] = math.nan  # the identity of the reduction: nothing was reduced
     for k in [k for k in out if k.endswith("weight_mean")]:
         base = k[: -len("weight_mean")]
         dev = out.pop(base + "weight_dev_sq_mean", None)

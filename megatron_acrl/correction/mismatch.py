@@ -71,7 +71,8 @@ class MismatchTensors:
         clamped: ``[B, T]`` ``log rho`` clamped to +-LOG_RATIO_BOUND.
         rho: ``[B, T]`` ``exp(clamped)``.
         per_token: ``[K, B, T]`` float64 rows named by :attr:`ROWS`.
-        seq_sums: ``[K, B]`` float64 row sums over T.
+        seq_sums: ``[K, B]`` float64 row sums over T; ``seq_means``: the same over each sequence's
+            valid tokens (0 for an empty sequence), shared by the controller's Y and the metrics.
         seq_max: PyTorch path, ``[3, B]``: per sequence the max over valid tokens of -log rho, log
             rho and |pi_old - mu| (-inf for a sequence without one).
         extremes: ``[3]`` the same over the whole micro-batch.
@@ -118,33 +119,52 @@ class MismatchTensors:
         return self.lens.clamp_min(1)
 
     @functools.cached_property
+    def seq_means(self) -> Tensor:
+        """``[K, B]`` float64: every row's mean over each sequence's valid tokens (0 for an empty one).
+
+        Row ``mask`` is therefore 1 for a sequence with a valid token, else 0 (``valid_f``).
+        """
+        return self.seq_sums / self.lens_c
+
+    @functools.cached_property
     def valid_f(self) -> Tensor:
-        return self.lens.clamp_max(1)
+        return self.seq_means[8]
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        """``[B, T]`` bool, the valid tokens (set by the fused pass; built on demand by the PyTorch path)."""
+        return self._row_attr("_mask_f") > 0
 
     def _token_rows(self) -> None:
-        """The PyTorch path: every per-token row in float64, and (unless fused) the sums and maxima."""
+        """The PyTorch path: every per-token row in float64, and (unless fused) the sums and maxima.
+
+        At a micro-batch's size every op costs about the same, a dispatch on a CPU and a kernel launch
+        on a GPU, whatever its size: so the fewest ops, all on one dtype (a bool operand costs a
+        casting loop), no ``isfinite`` (three ops inside: ``d * 0 == 0`` exactly when ``d`` is finite)
+        and no ``torch.where`` (a slow kernel; NaN/Inf go by ``nan_to_num``, the mask by multiplying).
+        """
         m_in, dev = self.mask_in, self.old_logprobs.device
-        zero = cached_const(0.0, torch.float64, dev)
         rows = torch.empty((len(self.ROWS), *m_in.shape), dtype=torch.float64, device=dev)
         lp_old, lp_roll, nd, d, dp, ad, k3, chi, mf, bad = rows.unbind(0)
         lp_old.copy_(self.old_logprobs)
         lp_roll.copy_(self.rollout_logprobs)
+        bad.copy_(m_in)  # the caller's mask until the valid tokens are known
         torch.sub(lp_old, lp_roll, out=d)  # exact for float32 inputs; not finite iff an input is not
-        valid = torch.isfinite(d).logical_and_(m_in)
-        torch.where(valid, rows[:4], zero, out=rows[:4])  # row 2 is written next
+        torch.mul(d, 0.0, out=mf).eq_(0.0).mul_(bad)  # 1.0 on the valid tokens, else +0.0
+        # rows 0-3 (row 2 is written next) to 0 off the valid tokens, where they may hold NaN/inf
+        rows[:4].nan_to_num_(0.0, 0.0, 0.0).mul_(mf)
+        bad.sub_(mf)  # masked-in tokens with a non-finite log-prob
         torch.neg(d, out=nd)  # k1 per token; its max is -min(log rho)
-        torch.sub(*torch.exp(rows[:2]).unbind(0), out=dp).abs_()
+        e = torch.exp(rows[:2])
+        torch.sub(e[0], e[1], out=dp).abs_()
         torch.abs(d, out=ad)
         dc = d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         em1 = torch.expm1(dc)  # rho - 1
         torch.sub(em1, dc, out=k3)
         torch.add(em1, 2.0, out=chi).mul_(em1)  # rho^2 - 1 = (rho - 1)(rho + 1)
-        mf.copy_(valid)
-        torch.ne(m_in, valid, out=bad)  # masked-in tokens with a non-finite log-prob
-        # 0 on valid tokens, -inf elsewhere: x + pad is x masked for a max, x - pad for a min.
-        self._pad = torch.where(valid, zero, cached_const(-math.inf, torch.float64, dev))
-        if not self.fused:  # the fused pass wrote its own (equal) mask
-            self.mask = valid
+        # 0 on valid tokens (1 - 1/1), -inf elsewhere (1 - 1/+0): x + pad is x masked for a max,
+        # x - pad for a min
+        self._pad = torch.rsub(mf.reciprocal(), 1.0)
         self._mask_f, self._log_ratio, self._clamped, self._em1 = mf, d, dc, em1
         self._per_token = rows
         if self.fused:
@@ -186,7 +206,7 @@ class MismatchTensors:
 
     def seq_mean(self, name: str) -> Tensor:
         """``[B]`` float64 mean over each sequence's valid tokens (0 for empty sequences)."""
-        return self.seq_sums[self.row(name)] / self.lens_c
+        return self.seq_means[self.row(name)]
 
 
 def valid_mask(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ from torch import Tensor
 from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.acrl import AcrlSignal, acrl_alpha, acrl_coefficient
-from megatron_acrl.correction.metrics import row_sums, weight_metrics
+from megatron_acrl.correction.metrics import row_sums, token_row_metrics, weight_metrics
 from megatron_acrl.correction.mismatch import LOG_RATIO_BOUND, MismatchTensors, cached_const
 
 
@@ -67,12 +67,16 @@ class MethodWeights:
         seq_keep: ``[B]`` bool, the sequences the method itself keeps (``seq_mis``, ``geo_mis``).
         token_rows: ``[B, T]`` rows (0 on padding) reported as token means, by full metric name.
         seq_rows: ``[B]`` rows (0 for empty sequences) reported as sequence means, by full name.
+        buffer: None, or ``[2 + len(token_rows), B, T]`` float64 whose row 0 is ``weights`` and rows
+            2.. are ``token_rows`` (row 1 is free): the composition step then reduces them in place
+            (:func:`~megatron_acrl.correction.metrics.token_row_metrics`) instead of stacking copies.
     """
 
     weights: Tensor
     seq_keep: Tensor | None = None
     token_rows: dict[str, Tensor] = field(default_factory=dict)
     seq_rows: dict[str, Tensor] = field(default_factory=dict)
+    buffer: Tensor | None = None
 
 
 MethodFn = Callable[[MismatchTensors, CorrectionConfig, Tensor | None, AcrlSignal | None], MethodWeights]
@@ -191,17 +195,26 @@ def _acrl(
     coef = acrl_coefficient(cfg, signal, sh)
     if isinstance(coef, Tensor):  # per sequence: [B] float64 -> [B, 1]
         coef = coef.unsqueeze(-1)
-    zero, m = _zero(sh), sh.mask
-    # alpha is 0 off the valid tokens, so the weight there is exp(0) = 1 until the final masking.
-    alpha = torch.where(m, acrl_alpha(advantages, coef, cfg.alpha_max), zero)
+    adv = advantages.detach()
+    if adv.dim() == 2 and adv.stride(-1) == 0:  # one advantage per sequence, expanded: [B, 1] is enough
+        adv = adv[:, :1]
+    names = ("acrl/alpha_mean", "acrl/alpha_abs_mean", "acrl/saturated_frac")
+    # the weights, a free row, then the token rows: reduced in one sum by the composition step
+    buf = torch.empty((2 + len(names), *sh.mask_in.shape), dtype=torch.float64, device=sh.mask_in.device)
+    weights, _, alpha, alpha_abs, saturated = buf.unbind(0)
+    mf = sh.mask_f
+    # alpha is 0 off the valid tokens (torch.sign(NaN) is 0, so nothing leaks through the product),
+    # and so is log rho: the weight there is exp(0) = 1 until the final mask.
+    torch.mul(acrl_alpha(adv, coef, cfg.alpha_max), mf, out=alpha)
     exponent = alpha * sh.clamped
-    saturated = exponent.abs() >= LOG_RATIO_BOUND  # the weight is cut at e^+-BOUND
-    weights = exponent.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_()
+    torch.abs(exponent, out=saturated).ge_(LOG_RATIO_BOUND)  # the weight is cut at e^+-BOUND
+    torch.exp(exponent.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), out=weights)
     if cfg.weight_low is not None or cfg.weight_high is not None:
-        weights = weights.clamp_(cfg.weight_low, cfg.weight_high)
-    weights = torch.where(m, weights, zero, out=weights)
-    rows = {"acrl/alpha_mean": alpha, "acrl/alpha_abs_mean": alpha.abs(), "acrl/saturated_frac": saturated}
-    return MethodWeights(weights, token_rows=rows)
+        weights.clamp_(cfg.weight_low, cfg.weight_high)
+    weights.mul_(mf)  # finite everywhere, so a product masks it
+    torch.abs(alpha, out=alpha_abs)
+    rows = dict(zip(names, (alpha, alpha_abs, saturated), strict=True))
+    return MethodWeights(weights, token_rows=rows, buffer=buf)
 
 
 METHODS: dict[str, MethodFn] = {
@@ -289,10 +302,19 @@ def compute_correction(
         return _acrl_fused(cfg, sh, num_tokens=num_tokens, advantages=advantages, acrl=acrl)
     out = method(sh, cfg, advantages, acrl)
     weights = _compose(sh, cfg, out, weight_mean)
-    metrics = weight_metrics(
-        weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad, mask_f=sh.mask_f
-    )
-    metrics.update(row_sums({}, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
+    if out.buffer is None:
+        metrics = weight_metrics(
+            weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad,
+            mask_f=sh.mask_f,
+        )  # fmt: skip
+    else:
+        if weights.data_ptr() != out.buffer.data_ptr():  # composed: the final weights into row 0
+            out.buffer[0].copy_(weights)
+        metrics = token_row_metrics(
+            out.buffer, tuple(out.token_rows), num_tokens=num_tokens, mask_f=sh.mask_f, pad=sh.pad
+        )
+    if out.seq_rows:
+        metrics.update(row_sums({}, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
     return Correction(weights=weights.to(sh.dtype), metrics=metrics)
 
 

@@ -7,12 +7,15 @@ address the servers dial (``master_address``) only: loopback for servers on this
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from sglang_bridge.listeners import BoundTCPStore
+from sglang_bridge.listeners import BoundTCPStore, interface_of, is_loopback
 from sglang_bridge.weight_sync.interface import WeightSyncError
 
 
@@ -69,18 +72,48 @@ def create_update_group(
             wait_for_workers=False,
         )
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=None,
-        timeout=timeout,
-    )
+    with gloo_device_on(master_address if rank == 0 else None, backend):
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def gloo_device_on(address: str | None, backend: str) -> Iterator[None]:
+    """Create a gloo group's device on the interface that holds ``address``, the one the servers dial.
+
+    gloo binds, and tells its peers to dial, the interface ``GLOO_SOCKET_IFNAME`` names, else the
+    address this host's name resolves to: on many machines 127.0.0.1 or 127.0.1.1, which a server on
+    another node cannot reach even though the store it rendezvoused at (``address``) is reachable.
+    So unless the user set ``GLOO_SOCKET_IFNAME``, it is set to ``address``'s interface while the
+    group is made (gloo reads it then) and removed after. A loopback or non-local address, or another
+    backend (NCCL picks its interfaces itself), changes nothing.
+    """
+    ifname = None
+    if (
+        backend == "gloo"
+        and address
+        and not is_loopback(address)
+        and not os.environ.get("GLOO_SOCKET_IFNAME")
+    ):
+        ifname = interface_of(address)
+    if ifname is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def broadcast_async(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
