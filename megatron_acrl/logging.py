@@ -21,6 +21,7 @@ values (each step once, but not the checkpoint's lineage); ``metrics.jsonl`` is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -161,13 +162,16 @@ class RunLogger:
             flush=True,
         )
         self._wandb = None
-        # The dead run's telemetry hooks stay registered and fire on every later import of a module
-        # W&B watches (torch.distributed.checkpoint, at the step's save), each one raising the lost
-        # connection: the import, and so the checkpoint, would fail.
-        from wandb.sdk.lib import import_hooks, telemetry
+        # Forget the dead service process-wide. Its run's telemetry hooks fire on every later import
+        # of a module W&B watches (torch.distributed.checkpoint, at the step's save), each raising
+        # the lost connection (teardown drops them first, then fails to reach the service); and
+        # WANDB_SERVICE, inherited by every child this process starts, names its dead socket.
+        import wandb
+        from wandb.sdk.lib.service import service_token
 
-        for name in telemetry.list_telemetry_imports():
-            import_hooks.unregister_post_import_hook(name, self.run_id)
+        with contextlib.suppress(Exception):
+            wandb.teardown()
+        service_token.clear_service_in_env()
 
     def close(self) -> None:
         if not self.enabled:

@@ -163,3 +163,10 @@ def test_a_wandb_service_killed_by_the_schedulers_signal_does_not_end_the_run(tm
     from wandb.sdk.lib import import_hooks
 
     import_hooks.notify_module_loaded(types.ModuleType("torch"))
+    # ... and a child this process starts later (a rank, a run of the study) does not inherit the
+    # dead service's socket: it starts its own (a run in a child failed on it before).
+    assert "WANDB_SERVICE" not in os.environ
+    again = RunLogger(LoggingConfig(wandb_mode="offline", console=False), tmp_path / "next")
+    again.log(1, {"x": 4.0})
+    again.close()
+    assert [r["x"] for r in read_wandb_history(again.wandb_dir)] == [4.0]
