@@ -48,6 +48,9 @@ def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_pa
     assert (tmp_path / "sglang-split.log").is_file() and (tmp_path / "sglang-shared.log").is_file()
 
 
+# Two 4-rank Megatron launches and a server (~100 s): slow tier, to keep the default suite under
+# its 30 minutes; the layouts' sync itself is in the default tier (tests/test_e2e.py, per source).
+@pytest.mark.slow
 def test_benchmark_layouts_smoke_run_ends_with_each_layouts_goal_figures(tmp_path: Path) -> None:
     """``--smoke --layout pp2,ep2``: both real Megatron layouts (torchrun, gloo) against real
     servers, the rank-0 path and the per-source path alternating; the goal lines come last."""
