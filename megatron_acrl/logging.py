@@ -178,6 +178,9 @@ class RunLogger:
             return
         self._jsonl.close()
         if self._wandb is not None:
+            # This attempt's own run directory: a resumed run's earlier attempts hold files of the
+            # same name, already finished, which a wait over the whole W&B dir would accept.
+            attempt_dir = Path(self._wandb.settings.sync_file).parent
             try:
                 self._wandb.finish()
             except Exception as e:  # noqa: BLE001 - as in log(): the service died
@@ -186,7 +189,7 @@ class RunLogger:
             self._wandb = None
             # wandb.finish() can return before the offline writer has flushed the run file; wait
             # for its closing record so whoever reads the run next sees every step.
-            wait_for_wandb_exit(self.wandb_dir, self.run_id)
+            wait_for_wandb_exit(attempt_dir, self.run_id)
 
 
 def _wandb_data(
