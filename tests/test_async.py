@@ -17,12 +17,10 @@ every step, so that versions really differ.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_e2e import run_spec
 
 from megatron_acrl.batch import load_rollouts
 from megatron_acrl.config import load_config
@@ -106,21 +104,7 @@ def runs(tmp_path_factory):
                 "hooks": {"kill_server_at_train_step": 2},
             },
         ]
-        path = tmp / "spec.json"
-        path.write_text(json.dumps(spec))
-        env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", KEY_ENV: key}
-        res = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "async_runner.py"), str(path)],
-            cwd=tmp,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    if res.returncode != 0:
-        raise AssertionError(
-            f"runner failed (rc={res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-8000:]}"
-        )
+        run_spec(tmp, spec, timeout=1800, runner="async_runner.py", env={KEY_ENV: key})
     return tmp
 
 

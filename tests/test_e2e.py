@@ -39,12 +39,20 @@ BASE = [
 LIVE_STEPS = 4
 
 
-def run_spec(tmp: Path, spec: list[dict], timeout: int = 1500) -> None:
+def run_spec(
+    tmp: Path,
+    spec: list[dict],
+    timeout: int = 1500,
+    runner: str = "e2e_runner.py",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``spec`` (a list of runs) through ``tests/<runner>`` in ``tmp``; a failure shows the
+    runner's last traceback and keeps its whole stderr beside the spec."""
     path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
     path.write_text(json.dumps(spec))
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "e2e_runner.py"), str(path)],
+        [sys.executable, str(ROOT / "tests" / runner), str(path)],
         cwd=tmp,
         env=env,
         capture_output=True,
@@ -61,6 +69,7 @@ def run_spec(tmp: Path, spec: list[dict], timeout: int = 1500) -> None:
             f"runner failed (rc={res.returncode}; whole stderr in {log}):\n{res.stdout[-3000:]}\n"
             f"{trace}\n--- stderr tail ---\n{res.stderr[-3000:]}"
         )
+    return res
 
 
 @pytest.fixture(scope="module")

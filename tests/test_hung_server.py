@@ -7,13 +7,11 @@ the trainer's weights. Real Megatron trainer, real SGLang CPU server (``tests/hu
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_e2e import CONFIG, ROOT, rows
+from test_e2e import CONFIG, rows, run_spec
 
 STEPS = 3
 OVERRIDES = [
@@ -35,21 +33,7 @@ OVERRIDES = [
 
 
 def _run(tmp: Path, spec: list[dict]) -> subprocess.CompletedProcess[str]:
-    path = tmp / "spec.json"
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "hung_runner.py"), str(path)],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert res.returncode == 0, (
-        f"runner failed (rc={res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    )
-    return res
+    return run_spec(tmp, spec, timeout=1200, runner="hung_runner.py")
 
 
 @pytest.mark.slow
