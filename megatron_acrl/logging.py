@@ -14,7 +14,9 @@ per step, the last one logged, which is the checkpoint's own lineage; at S = 0 n
 logs its step 0 again), and every row it drops is appended first to ``metrics.superseded.jsonl``
 beside it, tagged with ``superseded_at_resume`` = S: nothing is lost. W&B keeps one offline run
 file per attempt (same run id); :func:`read_wandb_history` reads them in order, each attempt
-superseding the rows from its first step on. Online, W&B itself drops a row whose step is below the
+superseding the rows from its first step on; a resumed attempt first logs again, from
+``metrics.jsonl``, the kept rows W&B never wrote (an attempt whose service was killed, see
+``RunLogger._backfill_wandb``). Online, W&B itself drops a row whose step is below the
 run's current step, so after such a resume its steps S+1..(the crash) keep the crashed attempt's
 values (each step once, but not the checkpoint's lineage); ``metrics.jsonl`` is the exact record.
 """
@@ -95,6 +97,7 @@ class RunLogger:
                 flush=True,
             )
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.backfilled: list[int] = []
         if cfg.wandb_mode != "disabled":
             import wandb
 
@@ -102,6 +105,10 @@ class RunLogger:
             if not wandb_dir.is_absolute():
                 wandb_dir = self.run_dir / wandb_dir
             wandb_dir.mkdir(parents=True, exist_ok=True)
+            # Read before this attempt's own (same-named, empty) run file exists.
+            offline_steps = None
+            if resume_id is not None and cfg.wandb_mode == "offline":
+                offline_steps = wandb_steps(wandb_dir, resume_id)
             self._wandb = wandb.init(
                 project=cfg.wandb_project,
                 name=cfg.run_name,
@@ -114,6 +121,36 @@ class RunLogger:
             )
             self.run_id = self._wandb.id
             self.wandb_dir = wandb_dir
+            if resume_id and resume_step > 0:
+                have = offline_steps if offline_steps is not None else set(range(self._wandb.step))
+                self._backfill_wandb(have)
+
+    def _backfill_wandb(self, have: set[int]) -> None:
+        """Give W&B the kept rows (steps 0..S of ``metrics.jsonl``) that an earlier attempt logged
+        but W&B never wrote (SLURM's signal killed W&B's service with the step: that attempt's
+        unwritten rows are lost to W&B). From the first such step on, every kept row is logged again
+        (scalars only; an attempt supersedes from its first step, see module doc), so W&B too
+        holds each step once with the values of ``metrics.jsonl``."""
+        rows = read_jsonl_metrics(self.run_dir / "metrics.jsonl")
+        missing = [int(r["step"]) for r in rows if int(r["step"]) not in have]
+        if not missing:
+            return
+        first = min(missing)
+        for row in rows:
+            if int(row["step"]) >= first and self._wandb is not None:
+                metrics = {k: float(v) for k, v in row.items() if k != "step"}
+                try:
+                    self._wandb.log(_wandb_data(metrics, None, None), step=int(row["step"]))
+                except Exception as e:  # noqa: BLE001 - as in log(): the service died
+                    self._wandb_lost(e, f"backfilling step {row['step']}")
+                    return
+                self.backfilled.append(int(row["step"]))
+        print(
+            f"W&B: {len(missing)} step(s) of an earlier attempt were missing from the W&B run; logged "
+            f"steps {first}..{self.backfilled[-1]} again from metrics.jsonl",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def log(
         self,
@@ -355,6 +392,25 @@ def _history_of(path: Path) -> tuple[int, list[dict[str, Any]]]:
     return start or path.stat().st_mtime_ns, rows
 
 
+def _supersede_attempts(files: Iterator[Path] | list[Path]) -> list[dict[str, Any]]:
+    """The rows of one run's attempt files, in the order the attempts started, each attempt
+    superseding the rows from its first step on."""
+    attempts = sorted((_history_of(f) for f in files), key=lambda a: a[0])
+    rows: list[dict[str, Any]] = []
+    for _start, attempt in attempts:
+        if attempt:
+            first = attempt[0].get("_step", 0)
+            rows = [r for r in rows if r.get("_step", 0) < first] + attempt
+    return rows
+
+
+def wandb_steps(wandb_dir: str | Path, run_id: str) -> set[int]:
+    """The steps the offline W&B run ``run_id`` below ``wandb_dir`` holds (every attempt read as
+    :func:`read_wandb_history` does); empty when it has no run file there."""
+    rows = _supersede_attempts(list(Path(wandb_dir).rglob(f"run-{run_id}.wandb")))
+    return {int(r["_step"]) for r in rows if "_step" in r}
+
+
 def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
     """History rows of an offline W&B run: a ``run-*.wandb`` file, or a directory holding the run
     files of one or more attempts. For a directory, every file of the newest run's id is read in
@@ -363,14 +419,7 @@ def read_wandb_history(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_dir():
         return _history_of(p)[1]
-    newest = find_wandb_file(p)
-    attempts = sorted((_history_of(f) for f in p.rglob(newest.name)), key=lambda a: a[0])
-    rows: list[dict[str, Any]] = []
-    for _start, attempt in attempts:
-        if attempt:
-            first = attempt[0].get("_step", 0)
-            rows = [r for r in rows if r.get("_step", 0) < first] + attempt
-    return rows
+    return _supersede_attempts(list(p.rglob(find_wandb_file(p).name)))
 
 
 def thread_clock() -> tuple[float, float]:

@@ -170,3 +170,44 @@ def test_a_wandb_service_killed_by_the_schedulers_signal_does_not_end_the_run(tm
     again.log(1, {"x": 4.0})
     again.close()
     assert [r["x"] for r in read_wandb_history(again.wandb_dir)] == [4.0]
+
+
+def _kill_wandb_service() -> None:
+    import os
+    import signal
+
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if "wandb" in child.name():
+            os.kill(child.pid, signal.SIGTERM)
+            child.wait(60)
+
+
+def test_a_resume_gives_wandb_the_rows_an_attempt_lost_with_its_service(tmp_path, monkeypatch, capsys):
+    """SLURM's SIGTERM kills W&B's service with the step, so W&B never writes that attempt's later
+    rows; metrics.jsonl has them. The resumed attempt logs them again from metrics.jsonl: W&B too
+    ends with every step once, with the values of metrics.jsonl (issue #25)."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = RunLogger(LoggingConfig(wandb_mode="offline", console=False), tmp_path / "run")
+    first.log(1, {"x": 1.0})
+    _kill_wandb_service()
+    for step in (2, 3, 4):  # the signal arrives during step 2; the checkpoint is step 3's
+        first.log(step, {"x": float(step)})
+    first.close()
+    assert "W&B stopped working at step 2" in capsys.readouterr().err
+    started = int(time.time())  # a new attempt directory (W&B names it by its start second)
+    while int(time.time()) == started:
+        time.sleep(0.05)
+    again = _attempt(tmp_path, [4, 5], 3, run_id=first.run_id, mode="offline", value=100.0)
+    # Step 1 may be lost too: the service writes asynchronously, and it died before or after it.
+    assert again.backfilled in ([1, 2, 3], [2, 3]), again.backfilled
+    assert f"logged steps {again.backfilled[0]}..3 again from metrics.jsonl" in capsys.readouterr().err
+    hist = [(int(r["_step"]), r["x"]) for r in read_wandb_history(first.wandb_dir)]
+    want = [(r["step"], r["x"]) for r in read_jsonl_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert hist == want == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 104.0), (5, 105.0)]
+    # A later resume with nothing missing logs nothing again.
+    started = int(time.time())
+    while int(time.time()) == started:
+        time.sleep(0.05)
+    assert _attempt(tmp_path, [], 5, run_id=first.run_id, mode="offline").backfilled == []
