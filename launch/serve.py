@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,34 @@ def server_command(
     except ValueError as e:  # bound beyond loopback without a key
         raise ConfigError([("rollout.api_key_env", f"{e}; the job script exports one per job")]) from e
     env = spec.env()  # from this task's environment, less any variable that holds the key
+    # MASTER_ADDR is read from this task's environment: the server's own drops the launcher's variables
+    ifname = gloo_interface(device, os.environ)
+    if ifname is not None:
+        env["GLOO_SOCKET_IFNAME"] = ifname
     return spec.command(slot.port, key_file), env
+
+
+def gloo_interface(device: str, env: Mapping[str, str]) -> str | None:
+    """The interface a CPU server's gloo end of the weight-sync group should bind, or None to leave it.
+
+    gloo binds ``GLOO_SOCKET_IFNAME``, else the address this node's host name resolves to, which on many
+    machines is 127.0.0.1 or 127.0.1.1: a server on another node than the trainer then tells the trainer
+    to dial its loopback, and the sync never connects. So a CPU server whose trainer is elsewhere
+    (``MASTER_ADDR``, exported by the job script, not loopback) binds this node's interface towards it.
+    A GPU server (NCCL picks its interfaces itself), a ``GLOO_SOCKET_IFNAME`` the user set, or a trainer
+    that cannot be resolved change nothing.
+    """
+    from sglang_bridge.listeners import address_towards, interface_of, is_loopback
+
+    master = env.get("MASTER_ADDR", "")
+    if device != "cpu" or env.get("GLOO_SOCKET_IFNAME") or not master or is_loopback(master):
+        return None
+    try:
+        local = address_towards(f"http://{master}")
+    except OSError:  # an unresolvable name or no route: gloo's default, as before
+        return None
+    # A trainer on this node (its name resolves to loopback) needs nothing either.
+    return None if is_loopback(local) else interface_of(local)
 
 
 def _companion(read_fd: int, api_key: str | None, key_file: Any, url: str) -> None:
@@ -188,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return CONFIG_ERROR
     print(
-        f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}: {' '.join(cmd)}",
+        f"[serve] server {slot.index} on {slot.host}:{slot.port} gpus={slot.gpu_ids}"
+        + (f" gloo={env['GLOO_SOCKET_IFNAME']}" if env.get("GLOO_SOCKET_IFNAME") else "")
+        + f": {' '.join(cmd)}",
         flush=True,
     )
     if args.print:

@@ -211,7 +211,7 @@ def rl_loss(
     loss, metrics = _policy_gradient(
         logprobs, old_logprobs, advantages, loss_mask, corr.weights, algorithm, agg, num_tokens
     )
-    loss = _regularized(loss, metrics, logprobs, loss_mask, algorithm, agg, entropy, ref_logprobs)
+    loss = _regularized(loss, metrics, logprobs, algorithm, agg, entropy, ref_logprobs)
     metrics["loss/total"] = loss.detach()
     metrics.update(corr.metrics)
     if with_mismatch_metrics:
@@ -260,7 +260,6 @@ def _regularized(
     loss: Tensor,
     metrics: dict[str, Tensor],
     logprobs: Tensor,
-    loss_mask: Tensor,
     algorithm: AlgorithmConfig,
     agg: Callable[[Tensor], Tensor],
     entropy: Tensor | None,
