@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.config import Config, ConfigError, RolloutConfig
 from megatron_acrl.server_recovery import ServerRecovery
 from megatron_acrl.server_weights import (
     Meta,
@@ -152,6 +152,18 @@ async def generate_groups(
     holds prompt i's samples."""
     return await fan_out(
         clients, prompt_ids, params, n, max_in_flight=max_in_flight, samples_per_request=samples_per_request
+    )
+
+
+def router_spec(r: RolloutConfig, urls: Sequence[str], api_key: str | None) -> RouterSpec:
+    """The sglang-router in front of ``urls``: ``rollout.router_policy``, its port, the servers' key and
+    ``rollout.router_timeout_s`` (else request_timeout_s) in the whole seconds the router takes."""
+    return RouterSpec(
+        worker_urls=tuple(urls),
+        policy=r.router_policy,
+        port=r.router_port,
+        api_key=api_key,
+        request_timeout_s=max(1, round(r.router_request_timeout_s)),
     )
 
 
@@ -271,13 +283,7 @@ class RolloutServers(ServerRecovery):
     def _start_router(self) -> SGLangRouter:
         """sglang-router in front of every server, on loopback, holding the servers' API key."""
         r = self.cfg.rollout
-        spec = RouterSpec(
-            worker_urls=tuple(self.urls),
-            policy=r.router_policy,
-            port=r.router_port,
-            api_key=self.api_key,
-            request_timeout_s=int(r.request_timeout_s),
-        )
+        spec = router_spec(r, self.urls, self.api_key)
         router = SGLangRouter(spec, self.log_dir / "router.log", startup_timeout_s=r.startup_timeout_s)
         router.start()
         self._routed = set(self.urls)

@@ -151,6 +151,12 @@ CASES: list[tuple[str, Setup, str, str]] = [
         "must be > 0",
     ),
     (
+        "router_timeout_zero",
+        lambda t: (BASE, ["rollout.router_timeout_s=0"]),
+        "rollout.router_timeout_s",
+        "must be >= 1 second",
+    ),
+    (
         "startup_timeout_zero",
         lambda t: (BASE, ["rollout.startup_timeout_s=0"]),
         "rollout.startup_timeout_s",

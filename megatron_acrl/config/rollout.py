@@ -203,6 +203,13 @@ class RolloutConfig(_Section):
     router_port: int | None = None
     """Port of the router on 127.0.0.1 (only the driver talks to it); None picks a free one."""
 
+    router_timeout_s: float | None = None
+    """sglang-router's own timeout of a request (its request_timeout_secs); null: request_timeout_s.
+    Unlike the driver's clock it counts from when the router forwards the request, time in the
+    worker's queue included (up to max_concurrency requests per worker wait there): give it at least
+    how long a worker takes to serve max_concurrency requests. It is also what ends the requests of a
+    worker that hangs while the others keep finishing theirs (docs/bridge.md, "Timeouts")."""
+
     weight_sync: Literal["per_source", "rank0"] = "per_source"
     """Who sends the weights to the servers. per_source: the (DP 0, TP 0) rank of every pipeline
     stage sends its stage, and with EP > 1 every expert leaves from the EP rank that holds it, each
@@ -223,6 +230,11 @@ class RolloutConfig(_Section):
     def sync_timeout_s(self) -> float:
         """:attr:`weight_sync_timeout_s`, else :attr:`request_timeout_s`."""
         return self.request_timeout_s if self.weight_sync_timeout_s is None else self.weight_sync_timeout_s
+
+    @property
+    def router_request_timeout_s(self) -> float:
+        """:attr:`router_timeout_s`, else :attr:`request_timeout_s`."""
+        return self.request_timeout_s if self.router_timeout_s is None else self.router_timeout_s
 
     @property
     def stress_quantization(self) -> bool:
@@ -354,6 +366,13 @@ class RolloutConfig(_Section):
             self.router_port is None or 1 <= self.router_port <= 65535,
             "router_port",
             "must be a valid TCP port or null (a free one)",
+        )
+        _check(
+            e,
+            self.router_timeout_s is None or self.router_timeout_s >= 1,
+            "router_timeout_s",
+            f"must be >= 1 second (sglang-router counts whole seconds) or null (request_timeout_s), "
+            f"got {self.router_timeout_s}",
         )
         return e
 

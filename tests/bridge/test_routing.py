@@ -192,6 +192,23 @@ def test_router_spec_refuses_what_the_router_does_not_know() -> None:
     assert issubclass(RouterError, RuntimeError)
 
 
+def test_the_router_times_requests_by_its_own_knob() -> None:
+    """sglang-router's request_timeout_secs counts a worker's queue too, so it has its own knob
+    (rollout.router_timeout_s, default request_timeout_s), passed in the whole seconds it takes."""
+    from sglang_router.router_args import RouterArgs
+
+    from megatron_acrl.config import RolloutConfig
+    from megatron_acrl.rollout_servers import router_spec
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    spec = router_spec(RolloutConfig(request_timeout_s=60.0, router_timeout_s=3600.0), urls, "k")
+    args = spec.router_args(port=1, prometheus_port=2)
+    assert args["request_timeout_secs"] == 3600 and args["worker_urls"] == urls
+    RouterArgs(**args)  # a value sglang-router takes
+    assert router_spec(RolloutConfig(request_timeout_s=60.0), urls, "k").request_timeout_s == 60
+    assert router_spec(RolloutConfig(request_timeout_s=0.4), urls, "k").request_timeout_s == 1
+
+
 def test_a_dead_router_is_started_again(routed: RolloutServers) -> None:
     from sglang_bridge.client import ServerGoneError
 
