@@ -30,7 +30,7 @@ from megatron_acrl.evaluate import evaluate, evaluate_exact, exact_due
 from megatron_acrl.generation import GenerationEngine, PromptSource
 from megatron_acrl.group_queue import GroupQueue
 from megatron_acrl.resume import DriverState, save_checkpoint
-from megatron_acrl.rollout import ATTEMPTS, collect_rollouts, rollout_metrics
+from megatron_acrl.rollout import ATTEMPTS, RolloutStopped, collect_rollouts, rollout_metrics, stopped_message
 from megatron_acrl.served_weights import ServedWeights
 from megatron_acrl.staleness import format_version
 from megatron_acrl.tasks.base import Prompt
@@ -42,9 +42,11 @@ if TYPE_CHECKING:
 class Producer:
     """The interface the loop pulls from (module doc); the served weights are common to both."""
 
-    def __init__(self, ctx: RunContext, served: ServedWeights):
+    def __init__(self, ctx: RunContext, served: ServedWeights, stopping: Callable[[], bool]):
         self.ctx = ctx
         self.served = served
+        self.stopping = stopping
+        """Rank 0's stop signal: a rollout failing after it raises :class:`RolloutStopped`."""
         self._generation_s = 0.0
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
@@ -84,7 +86,7 @@ class SyncProducer(Producer):
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         t = time.perf_counter()
-        out = collect_rollouts(self.ctx, state, step, self.served.restore)
+        out = collect_rollouts(self.ctx, state, step, self.served.restore, self.stopping)
         self._generation_s = time.perf_counter() - t
         return out
 
@@ -98,8 +100,10 @@ class SyncProducer(Producer):
 class AsyncProducer(Producer):
     """Take finished groups from rank 0's generation engine (module doc)."""
 
-    def __init__(self, ctx: RunContext, served: ServedWeights, state: DriverState):
-        super().__init__(ctx, served)
+    def __init__(
+        self, ctx: RunContext, served: ServedWeights, state: DriverState, stopping: Callable[[], bool]
+    ):
+        super().__init__(ctx, served, stopping)
         r, a = ctx.cfg.rollout, ctx.cfg.algorithm
         self.drain_updates = not r.partial_rollouts and r.pause_mode != "abort"
         self.engine: GenerationEngine | None = None
@@ -131,6 +135,8 @@ class AsyncProducer(Producer):
             if self.engine is not None:
                 status = self._take(step)
             status = broadcast_object(status)
+            if status[0] == "stopped":  # the engine's position still holds every group it admitted
+                raise RolloutStopped(stopped_message(step, status[1]))
             if status[0] == "ok":
                 batch, metrics = status[1]
                 metrics.update(rollout_metrics(batch))
@@ -148,14 +154,15 @@ class AsyncProducer(Producer):
         raise RuntimeError("unreachable")
 
     def _take(self, step: int) -> tuple[str, Any]:
-        """Rank 0: wait for the engine: ``("ok", (batch, metrics))``, ``("retry" | "error", why)``."""
+        """Rank 0: wait for the engine: ``("ok", (batch, metrics))``, ``("retry" | "error", why)``, or
+        ``("stopped", why)`` when it failed after a stop was asked."""
         assert self.engine is not None
         try:
             kind, taken = self.engine.wait_batch(step)
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-            return "error", f"{type(e).__name__}: {e}"
+            return ("stopped" if self.stopping() else "error"), f"{type(e).__name__}: {e}"
         if kind == "failed":
-            return "retry", taken
+            return ("stopped" if self.stopping() else "retry"), taken
         batch = RolloutBatch.concat([g.batch for g in taken.groups], self.ctx.pad_id)  # type: ignore[misc]
         if self.ctx.args.save_rollouts:
             save_rollouts(batch, self.ctx.args.save_rollouts, step)
@@ -219,10 +226,13 @@ class AsyncProducer(Producer):
             self.engine = None
 
 
-def make_producer(ctx: RunContext, state: DriverState, step_dir: Path | None) -> Producer:
-    """The run's producer, serving its first weights (the initial policy, or the checkpoint's)."""
+def make_producer(
+    ctx: RunContext, state: DriverState, step_dir: Path | None, stopping: Callable[[], bool]
+) -> Producer:
+    """The run's producer, serving its first weights (the initial policy, or the checkpoint's);
+    ``stopping``: whether this rank was asked to stop (:attr:`Producer.stopping`)."""
     served = ServedWeights(ctx, ctx.cfg.rollout.weight_lag_steps)
     served.start(state.weight_version, step_dir)
     if ctx.cfg.rollout.mode == "async":
-        return AsyncProducer(ctx, served, state)
-    return SyncProducer(ctx, served)
+        return AsyncProducer(ctx, served, state, stopping)
+    return SyncProducer(ctx, served, stopping)

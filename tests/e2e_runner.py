@@ -6,7 +6,9 @@ SPEC is a list of runs: ``{"config": path, "overrides": [...], "args": [...], "f
 Faults (injected through ``megatron_acrl.train.run``'s ``prepare`` hook, tests only):
 ``kill_server_at_step: k`` kills the SGLang server right before step k's generation;
 ``nan_logprob_at_step: k`` turns one rollout log-prob of step k into NaN, as a faulty engine would;
-``sigterm_at_train_step: k`` sends this process SIGTERM during the k-th optimizer step (preemption).
+``sigterm_at_train_step: k`` sends this process SIGTERM during the k-th optimizer step (preemption);
+``sigterm_and_kill_server_at_step: k`` sends it SIGTERM and kills the server right before step k's
+generation (SLURM's preemption signals the servers' step with the trainer's).
 Each run's final driver state is appended to ``<run_dir>/state.json``.
 """
 
@@ -61,6 +63,10 @@ def inject(faults: dict):
             step = calls["n"] if training else -1  # counts successful training generations only
             if step == faults.get("kill_server_at_step") and not calls.get("killed"):
                 calls["killed"] = True
+                servers.servers[0].kill()
+            if step == faults.get("sigterm_and_kill_server_at_step") and not calls.get("killed"):
+                calls["killed"] = True
+                os.kill(os.getpid(), signal.SIGTERM)
                 servers.servers[0].kill()
             groups = generate(prompt_ids, n, params)
             if training:

@@ -335,3 +335,34 @@ def test_a_damaged_checkpoint_resumes_from_the_newest_intact_one(live):
                 assert rb[k] == v, (ra["step"], k)
     assert (ck / "damaged-step_00000004" / "policy" / shard.name).read_bytes() == bytes(data)  # kept
     assert (select_step_dir(ck).step, select_step_dir(ck).passed_over) == (4, [])
+
+
+@pytest.mark.slow
+def test_a_stop_whose_servers_go_first_checkpoints_the_last_completed_step(tmp_path):
+    """SLURM's preemption signals the servers' step with the trainer's, so the rollout after the
+    SIGTERM fails. The run does not restart servers that are going down with the job: it checkpoints
+    step 2 (its last completed one, the failed try's prompts given back) and exits cleanly; the resume
+    trains steps 3 and 4 on the prompts an unstopped run would have: every step exactly once."""
+    ck = tmp_path / "ck"
+    common = BASE + ["logging.wandb_mode=disabled", "training.num_steps=4", f"training.checkpoint_dir={ck}"]
+    common += ["training.save_interval=100"]  # no periodic checkpoint: only the stop's
+    spec = [
+        {
+            "config": CONFIG,
+            "overrides": common,
+            "args": ["--run-dir", str(tmp_path / "stopped")],
+            "faults": {"sigterm_and_kill_server_at_step": 2},
+        },
+        {"config": CONFIG, "overrides": common, "args": ["--run-dir", str(tmp_path / "resumed")]},
+    ]
+    res = run_spec(tmp_path, spec)
+    out = res.stdout + res.stderr
+    assert "step 3: a stop was asked and then its rollout failed" in out
+    assert "re-sending weights and retrying" not in out  # no server restarted for the retry
+    stopped, resumed = rows(tmp_path / "stopped"), rows(tmp_path / "resumed")
+    assert [x["step"] for x in stopped] == [1, 2] and [x["step"] for x in resumed] == [3, 4]
+    assert all(x["rollout/server_restarts"] == 0 for x in stopped)
+    state = json.loads((tmp_path / "stopped" / "state.json").read_text())
+    assert state["step"] == 2 and state["prompts_consumed"] == 4 * 2  # the failed try's went back
+    # resumed from the stop's checkpoint (the only one before step 4), on the prompts of steps 3 and 4
+    assert json.loads((tmp_path / "resumed" / "state.json").read_text())["prompts_consumed"] == 4 * 4
