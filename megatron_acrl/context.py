@@ -15,7 +15,7 @@ import argparse
 import itertools
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,13 @@ if TYPE_CHECKING:
     from megatron_acrl.megatron.policy import Policy
     from megatron_acrl.rollout_servers import RolloutServers
     from sglang_bridge.weight_sync import WeightSource
+
+
+class StoppedWithoutServers(Exception):
+    """A stop was asked (SIGTERM / SIGINT), and then a rollout or a weight sync of the loop failed:
+    SLURM's preemption signals every step of the job, the servers' too, so they go down under the
+    trainer's feet. Raised on every rank alike (rank 0 decides), instead of restarting servers that
+    are going down with the job; the loop then ends at a step boundary, which the run checkpoints."""
 
 
 @dataclass
@@ -62,6 +69,9 @@ class RunContext:
     """Rank 0: the training prompts, positioned after the prompts consumed so far."""
     last_checkpoint_step: int = -1
     """The step of the last checkpoint written or resumed from (-1: none)."""
+    stopping: Callable[[], bool] = lambda: False
+    """Whether this rank was asked to stop (the entry point's signals): rank 0 asks it before it
+    retries a failed rollout or weight sync of the loop (:class:`StoppedWithoutServers`)."""
 
     @property
     def eos_id(self) -> int:
@@ -75,7 +85,12 @@ class RunContext:
     # -- weights ---------------------------------------------------------------------------------
 
     def push_weights(
-        self, version: str, *, quantize: bool = True, weights: Sequence[tuple[str, Tensor]] | None = None
+        self,
+        version: str,
+        *,
+        quantize: bool = True,
+        weights: Sequence[tuple[str, Tensor]] | None = None,
+        stoppable: bool = False,
     ) -> dict[str, float]:
         """Push the policy's weights to the rollout servers; ``quantize=False`` pushes them without
         the rollout's FP8 quantization (bf16 servers only). Every rank walks its stream (the gathers
@@ -88,7 +103,9 @@ class RunContext:
 
         A failed sync restarts dead servers, kills and replaces hung ones (a timeout), or reconnects
         the synchronizer (a failed source), and tries again, twice
-        (:mod:`megatron_acrl.server_recovery`); rank 0 decides for every rank.
+        (:mod:`megatron_acrl.server_recovery`); rank 0 decides for every rank. With ``stoppable`` (the
+        loop's publish), a sync that fails after a stop was asked raises :class:`StoppedWithoutServers`
+        on every rank instead of a recovery.
         """
         from megatron_acrl.server_weights import push_from_source, recovery
 
@@ -105,6 +122,9 @@ class RunContext:
             ok, action, err = True, None, ""
             try:
                 if self.servers is not None:
+                    if stoppable and self.stopping() and (dead := self.servers.dead_servers()):
+                        # not the restart update_weights would start: the servers go down with the job
+                        raise RuntimeError(f"server(s) {dead} gone")
                     metrics = self.servers.update_weights(stream, version, quantize=quantize, meta=meta)
                 elif self.weight_source is not None and meta is not None:
                     push_from_source(self.cfg, self.weight_source, stream, meta, quantize=quantize)
@@ -117,7 +137,13 @@ class RunContext:
             except Exception as e:  # noqa: BLE001 - a stream that fails here still reaches the vote
                 if ok:
                     ok, err = False, f"{type(e).__name__}: {e}"
-            ok, action, err = broadcast_object((ok, action, err))
+            stopped = stoppable and not ok and self.stopping()  # rank 0's is the one broadcast
+            ok, action, err, stopped = broadcast_object((ok, action, err, stopped))
+            if stopped:
+                raise StoppedWithoutServers(
+                    f"weight sync to {version} failed after a stop was asked ({err}); the servers are "
+                    "going down with the job: not recovered, the step ends without them"
+                )
             if not ok and action is None:
                 raise RuntimeError(f"weight sync to {version} failed: {err}")
             if ok:
@@ -239,8 +265,10 @@ def load_models(cfg: Config, model_dir: Path) -> tuple[Policy, Critic | None]:
     return policy, critic
 
 
-def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
-    """Build the run on every rank (see module doc)."""
+def setup_run(
+    cfg: Config, args: argparse.Namespace, stopping: Callable[[], bool] = lambda: False
+) -> RunContext:
+    """Build the run on every rank (see module doc); ``stopping``: :attr:`RunContext.stopping`."""
     from transformers import AutoTokenizer
 
     cfg = resolve_checkpoint_dir(cfg, args)  # a relative one lives in the run directory
@@ -277,6 +305,7 @@ def setup_run(cfg: Config, args: argparse.Namespace) -> RunContext:
         task=task,
         policy=policy,
         critic=critic,
+        stopping=stopping,
     )
     source = policy.sync_source
     single_node = on_one_node(world)

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.batch import RolloutBatch, save_rollouts
+from megatron_acrl.context import StoppedWithoutServers
 from megatron_acrl.distributed import broadcast_object, log0
 from megatron_acrl.evaluate import evaluate, evaluate_exact, exact_due
 from megatron_acrl.generation import GenerationEngine, PromptSource
 from megatron_acrl.group_queue import GroupQueue
 from megatron_acrl.resume import DriverState, save_checkpoint
-from megatron_acrl.rollout import ATTEMPTS, RolloutStopped, collect_rollouts, rollout_metrics, stopped_message
+from megatron_acrl.rollout import ATTEMPTS, collect_rollouts, rollout_metrics, stopped_message
 from megatron_acrl.served_weights import ServedWeights
 from megatron_acrl.staleness import format_version
 from megatron_acrl.tasks.base import Prompt
@@ -42,25 +43,40 @@ if TYPE_CHECKING:
 class Producer:
     """The interface the loop pulls from (module doc); the served weights are common to both."""
 
-    def __init__(self, ctx: RunContext, served: ServedWeights, stopping: Callable[[], bool]):
+    def __init__(self, ctx: RunContext, served: ServedWeights):
         self.ctx = ctx
         self.served = served
-        self.stopping = stopping
-        """Rank 0's stop signal: a rollout failing after it raises :class:`RolloutStopped`."""
         self._generation_s = 0.0
+        self.servers_gone = False
+        """A publish failed after a stop was asked: the step ends without the servers (no eval)."""
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         raise NotImplementedError
 
     def publish(self, version: int) -> dict[str, float]:
         """The trainer now holds ``version``: the servers serve it, or its lagged predecessor."""
-        return self.served.publish(version)
+        return self._publish_or_stop(version)
+
+    def _publish_or_stop(self, version: int) -> dict[str, float]:
+        """``served.publish(version)``; when that fails after a stop was asked (SLURM's preemption
+        takes the servers down with the job), the step ends without the servers, ``sync/stopped`` = 1:
+        the loop checkpoints it, and the resume pushes the served version to the new servers."""
+        try:
+            return self.served.publish(version)
+        except StoppedWithoutServers as err:
+            log0(str(err))
+            self.servers_gone = True
+            return {"sync/stopped": 1.0}
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if self.servers_gone:
+            return {}
         return evaluate(self.ctx, step, format_version(self.served.version), self.served.restore)
 
     def evaluate_exact(self, step: int) -> dict[str, float]:
         """The exact metric J after ``step`` steps, when ``training.exact_eval_interval`` says so."""
+        if self.servers_gone:  # every rank alike: the stopped sync was raised on each
+            return {}
         return evaluate_exact(self.ctx, step)
 
     def step_metrics(self, step_s: float, wait_s: float) -> dict[str, float]:
@@ -86,7 +102,7 @@ class SyncProducer(Producer):
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         t = time.perf_counter()
-        out = collect_rollouts(self.ctx, state, step, self.served.restore, self.stopping)
+        out = collect_rollouts(self.ctx, state, step, self.served.restore)
         self._generation_s = time.perf_counter() - t
         return out
 
@@ -100,10 +116,8 @@ class SyncProducer(Producer):
 class AsyncProducer(Producer):
     """Take finished groups from rank 0's generation engine (module doc)."""
 
-    def __init__(
-        self, ctx: RunContext, served: ServedWeights, state: DriverState, stopping: Callable[[], bool]
-    ):
-        super().__init__(ctx, served, stopping)
+    def __init__(self, ctx: RunContext, served: ServedWeights, state: DriverState):
+        super().__init__(ctx, served)
         r, a = ctx.cfg.rollout, ctx.cfg.algorithm
         self.drain_updates = not r.partial_rollouts and r.pause_mode != "abort"
         self.engine: GenerationEngine | None = None
@@ -136,7 +150,7 @@ class AsyncProducer(Producer):
                 status = self._take(step)
             status = broadcast_object(status)
             if status[0] == "stopped":  # the engine's position still holds every group it admitted
-                raise RolloutStopped(stopped_message(step, status[1]))
+                raise StoppedWithoutServers(stopped_message(step, status[1]))
             if status[0] == "ok":
                 batch, metrics = status[1]
                 metrics.update(rollout_metrics(batch))
@@ -160,9 +174,9 @@ class AsyncProducer(Producer):
         try:
             kind, taken = self.engine.wait_batch(step)
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-            return ("stopped" if self.stopping() else "error"), f"{type(e).__name__}: {e}"
+            return ("stopped" if self.ctx.stopping() else "error"), f"{type(e).__name__}: {e}"
         if kind == "failed":
-            return ("stopped" if self.stopping() else "retry"), taken
+            return ("stopped" if self.ctx.stopping() else "retry"), taken
         batch = RolloutBatch.concat([g.batch for g in taken.groups], self.ctx.pad_id)  # type: ignore[misc]
         if self.ctx.args.save_rollouts:
             save_rollouts(batch, self.ctx.args.save_rollouts, step)
@@ -176,7 +190,7 @@ class AsyncProducer(Producer):
         if self.engine is not None:
             self.engine.begin_update(drain=self.drain_updates)
         try:
-            return self.served.publish(version)
+            return self._publish_or_stop(version)
         finally:
             if self.engine is not None:
                 self.engine.end_update(self.served.version, drained=self.drain_updates)
@@ -184,10 +198,12 @@ class AsyncProducer(Producer):
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate with nothing of training's in flight: its pushes (trainer weights) never reach a
         training sample."""
+        if self.servers_gone:
+            return {}
         return self._holding(super().evaluate, step)
 
     def evaluate_exact(self, step: int) -> dict[str, float]:
-        if not exact_due(self.ctx.cfg, step):
+        if self.servers_gone or not exact_due(self.ctx.cfg, step):
             return {}
         return self._holding(super().evaluate_exact, step)
 
@@ -226,13 +242,10 @@ class AsyncProducer(Producer):
             self.engine = None
 
 
-def make_producer(
-    ctx: RunContext, state: DriverState, step_dir: Path | None, stopping: Callable[[], bool]
-) -> Producer:
-    """The run's producer, serving its first weights (the initial policy, or the checkpoint's);
-    ``stopping``: whether this rank was asked to stop (:attr:`Producer.stopping`)."""
+def make_producer(ctx: RunContext, state: DriverState, step_dir: Path | None) -> Producer:
+    """The run's producer, serving its first weights (the initial policy, or the checkpoint's)."""
     served = ServedWeights(ctx, ctx.cfg.rollout.weight_lag_steps)
     served.start(state.weight_version, step_dir)
     if ctx.cfg.rollout.mode == "async":
-        return AsyncProducer(ctx, served, state, stopping)
-    return SyncProducer(ctx, served, stopping)
+        return AsyncProducer(ctx, served, state)
+    return SyncProducer(ctx, served)

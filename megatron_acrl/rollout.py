@@ -16,7 +16,7 @@ import torch
 
 from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
-from megatron_acrl.context import prompt_stream
+from megatron_acrl.context import StoppedWithoutServers, prompt_stream
 from megatron_acrl.distributed import broadcast_object, log0
 from megatron_acrl.staleness import token_versions
 from megatron_acrl.tasks.base import Prompt, Task
@@ -204,27 +204,18 @@ def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
     return batch, {"rollout/refill_rounds": float(rounds - 1), **ctx.servers.load_metrics()}
 
 
-class RolloutStopped(Exception):
-    """A stop was asked (SIGTERM / SIGINT) and then the step's rollout failed: SLURM's preemption
-    signals every step of the job, the servers' too, so they go down under the trainer's feet.
-    Raised on every rank alike; the loop ends at its last completed step, which the run then
-    checkpoints (instead of restarting servers that are going down with the job)."""
-
-
-def _attempt(
-    ctx: RunContext, state: DriverState, step: int, last: bool, stopping: Callable[[], bool]
-) -> tuple[str, Any]:
+def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tuple[str, Any]:
     """Rank 0: one try at the step's rollouts, as ``("ok", (batch, metrics))``, ``("retry", why)``
     after a server died (restarted, the prompts of the try given back), ``("stopped", why)`` when it
-    failed after ``stopping()`` turned true (the prompts given back, nothing restarted), or
-    ``("error", why)``."""
+    failed after a stop was asked (:attr:`RunContext.stopping`; the prompts given back, nothing
+    restarted), or ``("error", why)``."""
     consumed = state.prompts_consumed
     try:
         return "ok", _rank0_rollouts(ctx, state, step)
     except Exception as e:  # noqa: BLE001 - decided here, then told to every rank
         why = f"{type(e).__name__}: {e}"
         gone = isinstance(e, ServerGoneError) or (ctx.servers is not None and ctx.servers.dead_servers())
-        stopped = stopping()
+        stopped = ctx.stopping()
         if not (gone or stopped) or (last and not stopped):
             return "error", why
         # the prompts of the try go back: a retry, or the resume, samples them again
@@ -238,26 +229,22 @@ def _attempt(
 
 
 def collect_rollouts(
-    ctx: RunContext,
-    state: DriverState,
-    step: int,
-    restore: Callable[[], object],
-    stopping: Callable[[], bool] = lambda: False,
+    ctx: RunContext, state: DriverState, step: int, restore: Callable[[], object]
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate and reward one rollout batch on rank 0 and broadcast it to every rank.
 
     A server that dies mid-generation is restarted, the served weights re-sent (``restore``, on
     every rank), and the step retried with the same prompts; nothing is lost and nothing is trained
-    twice. Once ``stopping()`` (rank 0's stop signal) is true, a failed try raises
-    :class:`RolloutStopped` on every rank instead.
+    twice. Once a stop was asked (:attr:`RunContext.stopping`, rank 0), a failed try raises
+    :class:`~megatron_acrl.context.StoppedWithoutServers` on every rank instead.
     """
     for attempt in range(ATTEMPTS):
         status: tuple[str, Any] = ("", None)
         if ctx.rank == 0:
-            status = _attempt(ctx, state, step, attempt == ATTEMPTS - 1, stopping)
+            status = _attempt(ctx, state, step, last=attempt == ATTEMPTS - 1)
         status = broadcast_object(status)
         if status[0] == "stopped":
-            raise RolloutStopped(stopped_message(step, status[1]))
+            raise StoppedWithoutServers(stopped_message(step, status[1]))
         if status[0] == "ok":
             batch, metrics = status[1]
             metrics.update(rollout_metrics(batch))
@@ -272,7 +259,7 @@ def collect_rollouts(
 
 
 def stopped_message(step: int, why: str) -> str:
-    """What the log says when a stop was asked and then step ``step``'s rollout failed."""
+    """What the log says when a stop was asked and then loop index ``step``'s rollout failed."""
     return (
         f"step {step + 1}: a stop was asked and then its rollout failed ({why}); the servers are "
         f"going down with the job, so the run stops at step {step}, its last completed step, and "

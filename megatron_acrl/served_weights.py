@@ -97,25 +97,27 @@ class ServedWeights:
         return self.restore()
 
     def publish(self, trainer_version: int) -> dict[str, float]:
-        """After an update to ``trainer_version``: serve ``max(0, trainer_version - L)``."""
+        """After an update to ``trainer_version``: serve ``max(0, trainer_version - L)``. A push that
+        fails after a stop was asked raises :class:`~megatron_acrl.context.StoppedWithoutServers`;
+        :attr:`version` and the sets are already what a checkpoint should hold (a resume pushes them)."""
         if not self.lag:
             self.version = trainer_version
-            return self.ctx.push_weights(format_version(trainer_version))
+            return self.ctx.push_weights(format_version(trainer_version), stoppable=True)
         self._capture(trainer_version)
         target = served_version(trainer_version, self.lag)
         metrics: dict[str, float] = {}
         if target != self.version:
             self.version = target
-            metrics = self.restore()
+            metrics = self.restore(stoppable=True)
         self.sets = {v: s for v, s in self.sets.items() if v >= self.version}
         return metrics
 
-    def restore(self) -> dict[str, float]:
+    def restore(self, stoppable: bool = False) -> dict[str, float]:
         """Push the served version again (after a server restart or an evaluation of other weights)."""
         label = format_version(self.version)
         if not self.lag:  # the policy is the served version
-            return self.ctx.push_weights(label)
-        return self.ctx.push_weights(label, weights=self.sets.get(self.version, []))
+            return self.ctx.push_weights(label, stoppable=stoppable)
+        return self.ctx.push_weights(label, weights=self.sets.get(self.version, []), stoppable=stoppable)
 
     def _capture(self, version: int) -> None:
         """Every rank walks the policy's HF stream; rank 0 keeps a copy as ``version``."""

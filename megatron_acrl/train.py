@@ -11,8 +11,9 @@ The batch comes from the rollout producer (:mod:`megatron_acrl.producer`): gener
 its own module; this file only wires them together, and is the entry point that owns SIGTERM /
 SIGINT (:mod:`megatron_acrl.signals`): the first finishes the step, checkpoints and stops (exit 0:
 the launch script requeues the job), a second stops at once; either way the servers this process
-started are stopped. A step whose rollout fails after the first (SLURM's preemption signals the
-servers' step too) is not retried: the run checkpoints its last completed step and stops the same way.
+started are stopped. Servers that fail after the first (SLURM's preemption signals their step too)
+are not restarted: a failed rollout ends the loop at the last completed step, a failed weight sync
+ends the step without them, and the run checkpoints that boundary and stops the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import Tensor
 from megatron_acrl.advantages import compute_advantages
 from megatron_acrl.batch import RolloutBatch, minibatches
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
-from megatron_acrl.context import RunContext, setup_run
+from megatron_acrl.context import RunContext, StoppedWithoutServers, setup_run
 from megatron_acrl.distributed import any_rank, log0
 from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.logging import thread_clock
@@ -37,7 +38,6 @@ from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
 from megatron_acrl.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.producer import Producer, make_producer
 from megatron_acrl.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
-from megatron_acrl.rollout import RolloutStopped
 from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
 from megatron_acrl.staleness import staleness_metrics
 from sglang_bridge.server import ServersNotReady
@@ -52,7 +52,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
         t0 = time.perf_counter()
         try:
             batch, m = producer.next_batch(state, step)  # sync: generate now; async: a finished batch
-        except RolloutStopped as stopped:  # asked to stop, then the servers went: run() checkpoints
+        except StoppedWithoutServers as stopped:  # asked to stop, then the servers went: run() checkpoints
             log0(str(stopped))
             break
         t1, c1 = time.perf_counter(), thread_clock()
@@ -177,13 +177,13 @@ def run(
     # its owner's alone, whatever the umask it was started with; the entry point owns the umask.
     os.umask(0o077)
     with stop_on_signals() as stop:
-        ctx = setup_run(cfg, args)
+        ctx = setup_run(cfg, args, lambda: stop.requested)
         try:
             if prepare is not None:
                 prepare(ctx)
             state, step_dir = load_driver_state(ctx)
             ctx.start_logging(config_to_dict(cfg), state)
-            producer = make_producer(ctx, state, step_dir, lambda: stop.requested)  # serves the first weights
+            producer = make_producer(ctx, state, step_dir)  # serves the initial (or resumed) weights
             try:
                 state = train(ctx, state, producer, stop)
                 if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:

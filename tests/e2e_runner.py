@@ -8,7 +8,9 @@ Faults (injected through ``megatron_acrl.train.run``'s ``prepare`` hook, tests o
 ``nan_logprob_at_step: k`` turns one rollout log-prob of step k into NaN, as a faulty engine would;
 ``sigterm_at_train_step: k`` sends this process SIGTERM during the k-th optimizer step (preemption);
 ``sigterm_and_kill_server_at_step: k`` sends it SIGTERM and kills the server right before step k's
-generation (SLURM's preemption signals the servers' step with the trainer's).
+generation (SLURM's preemption signals the servers' step with the trainer's);
+``sigterm_and_kill_server_at_train_step: k`` does the same during the k-th optimizer step, before
+the step's weight sync.
 Each run's final driver state is appended to ``<run_dir>/state.json``.
 """
 
@@ -40,6 +42,18 @@ def inject(faults: dict):
                 return out
 
             ctx.policy.train_step = preempted
+        if "sigterm_and_kill_server_at_train_step" in faults:
+            train_step2, count2 = ctx.policy.train_step, {"n": 0}
+
+            def preempted_with_servers(batch):
+                out = train_step2(batch)
+                count2["n"] += 1
+                if count2["n"] == faults["sigterm_and_kill_server_at_train_step"] and ctx.servers:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    ctx.servers.servers[0].kill()
+                return out
+
+            ctx.policy.train_step = preempted_with_servers
         servers = ctx.servers
         if servers is None or not faults:
             return

@@ -338,31 +338,35 @@ def test_a_damaged_checkpoint_resumes_from_the_newest_intact_one(live):
 
 
 @pytest.mark.slow
-def test_a_stop_whose_servers_go_first_checkpoints_the_last_completed_step(tmp_path):
-    """SLURM's preemption signals the servers' step with the trainer's, so the rollout after the
-    SIGTERM fails. The run does not restart servers that are going down with the job: it checkpoints
-    step 2 (its last completed one, the failed try's prompts given back) and exits cleanly; the resume
-    trains steps 3 and 4 on the prompts an unstopped run would have: every step exactly once."""
-    ck = tmp_path / "ck"
-    common = BASE + ["logging.wandb_mode=disabled", "training.num_steps=4", f"training.checkpoint_dir={ck}"]
-    common += ["training.save_interval=100"]  # no periodic checkpoint: only the stop's
-    spec = [
-        {
-            "config": CONFIG,
-            "overrides": common,
-            "args": ["--run-dir", str(tmp_path / "stopped")],
-            "faults": {"sigterm_and_kill_server_at_step": 2},
-        },
-        {"config": CONFIG, "overrides": common, "args": ["--run-dir", str(tmp_path / "resumed")]},
-    ]
+def test_a_stop_whose_servers_go_first_checkpoints_a_step_boundary(tmp_path):
+    """SLURM's preemption signals the servers' step with the trainer's, so after the SIGTERM the
+    servers may be gone before the step is done. The run does not restart servers going down with
+    the job, and stops at a step boundary it checkpoints: a rollout that fails (the server killed
+    before step 3's generation) ends the run at step 2, the failed try's prompts given back; a weight
+    sync that fails (killed during step 2's update) ends step 2 without the servers (``sync/stopped``),
+    which is checkpointed. Each resume trains the rest on the prompts an unstopped run would have:
+    every step exactly once."""
+    spec, cases = [], {"rollout": {"sigterm_and_kill_server_at_step": 2}}
+    cases["sync"] = {"sigterm_and_kill_server_at_train_step": 2}
+    for name, faults in cases.items():
+        common = BASE + ["logging.wandb_mode=disabled", "training.num_steps=4", "training.save_interval=100"]
+        common += [f"training.checkpoint_dir={tmp_path / name / 'ck'}"]  # no periodic one: the stop's only
+        for part in ("a", "b"):
+            args = ["--run-dir", str(tmp_path / name / part)]
+            spec.append({"config": CONFIG, "overrides": common, "args": args})
+        spec[-2]["faults"] = faults
     res = run_spec(tmp_path, spec)
     out = res.stdout + res.stderr
+    (tmp_path / "out.log").write_text(out)
     assert "step 3: a stop was asked and then its rollout failed" in out
-    assert "re-sending weights and retrying" not in out  # no server restarted for the retry
-    stopped, resumed = rows(tmp_path / "stopped"), rows(tmp_path / "resumed")
-    assert [x["step"] for x in stopped] == [1, 2] and [x["step"] for x in resumed] == [3, 4]
-    assert all(x["rollout/server_restarts"] == 0 for x in stopped)
-    state = json.loads((tmp_path / "stopped" / "state.json").read_text())
-    assert state["step"] == 2 and state["prompts_consumed"] == 4 * 2  # the failed try's went back
-    # resumed from the stop's checkpoint (the only one before step 4), on the prompts of steps 3 and 4
-    assert json.loads((tmp_path / "resumed" / "state.json").read_text())["prompts_consumed"] == 4 * 4
+    assert "failed after a stop was asked" in out and "not recovered, the step ends without them" in out
+    assert "re-sending weights and retrying" not in out and "and retry" not in out  # nothing restarted
+    for name in cases:
+        stopped, resumed = rows(tmp_path / name / "a"), rows(tmp_path / name / "b")
+        assert [x["step"] for x in stopped] == [1, 2] and [x["step"] for x in resumed] == [3, 4], name
+        assert all(x["rollout/server_restarts"] == 0 for x in stopped), name
+        assert [x.get("sync/stopped", 0) for x in stopped] == ([0, 1] if name == "sync" else [0, 0])
+        state = json.loads((tmp_path / name / "a" / "state.json").read_text())
+        assert (state["step"], state["prompts_consumed"]) == (2, 4 * 2), name  # a failed try's went back
+        # resumed from the stop's checkpoint (the only one before step 4), on the prompts of steps 3, 4
+        assert json.loads((tmp_path / name / "b" / "state.json").read_text())["prompts_consumed"] == 16

@@ -78,7 +78,7 @@ def test_train_entry_point_installs_the_handlers_for_the_run(monkeypatch, cleanu
 
     seen = []
 
-    def setup_run(cfg, args):  # the first thing run() does, under the handlers
+    def setup_run(cfg, args, stopping):  # the first thing run() does, under the handlers
         seen.append(signal.getsignal(signal.SIGTERM))
         raise RuntimeError("stop here")
 
