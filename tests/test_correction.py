@@ -629,3 +629,85 @@ def test_fused_pass_takes_only_float32_on_both_sides():
     lp, lq, mask, _ = make_batch()
     for a, b in ((lp.double(), lq), (lp, lq.double()), (lp.double(), lq.double())):
         assert not fused_cpu.usable(a, b, mask)
+
+
+def _same_floats(got: list[float], want: list[float]) -> bool:
+    if len(got) != len(want):
+        return False
+    return all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_the_device_path_of_finalize_reads_every_partial_exactly(method: str) -> None:
+    """On a GPU the partials reach the host through :func:`gathered_floats` (the views of a few flat
+    results copied once each); on CPU each is read alone. Both must read the same floats, for every
+    method's real partials (views of unbound stacks, lone scalars, float32 and float64) and for a
+    mix of views at offsets, strided views, repeats and a view of a 2-D base."""
+    from megatron_acrl.correction.metrics import gathered_floats
+
+    torch.manual_seed(3)
+    b, t = 4, 9
+    old = -torch.rand(b, t) * 3
+    roll = old + 0.1 * torch.randn(b, t)
+    mask = torch.rand(b, t) > 0.2
+    mask[1] = False  # an empty sequence: -inf / +inf extremes among the partials
+    old[2, 3] = math.nan
+    cfg = CorrectionConfig(method=method)
+    sh = MismatchTensors(old, roll, mask, fused=False)
+    sig = AcrlSignal(x=0.02, y=0.05) if method == "acrl" else None
+    adv = torch.randn(b, 1).expand(b, t)
+    corr = compute_correction(cfg, sh, num_tokens=20, num_seqs=3, advantages=adv, acrl=sig)
+    parts = list({**corr.metrics, **mismatch_metrics(sh, num_tokens=20, num_seqs=3)}.values())
+    assert _same_floats(gathered_floats(parts), [v.item() for v in parts])
+    flat = torch.arange(10, dtype=torch.float64) / 7
+    grid = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 3
+    col = grid[:, 1]  # a strided 1-D view of a 2-D base
+    mix = [flat[7], flat[2], torch.tensor(-2.5), flat[2], col[2], grid[1, 3], *flat[4:].unbind(0)]
+    mix += [torch.tensor([1.25], dtype=torch.float32).reshape(()), col.unbind(0)[0], flat[0]]
+    assert _same_floats(gathered_floats(mix), [v.item() for v in mix])
+    assert gathered_floats([flat[9]]) == [flat[9].item()]
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_weight_metrics_alone_match_a_float64_reference(mask_kind: str) -> None:
+    """``weight_metrics`` called on its own (no ``pad`` / ``mask_f`` from a MismatchTensors): it
+    derives them from a bool or 0/1 mask, and its partials, with an extra token row, are the float64
+    sums over the valid tokens divided by their count."""
+    from megatron_acrl.correction import weight_metrics
+
+    torch.manual_seed(5)
+    b, t = 3, 7
+    valid = torch.rand(b, t) > 0.3
+    n_tok = int(valid.sum())  # the whole batch: E[w^2] is derived from E[(w - 1)^2] and E[w]
+    w = torch.where(valid, 1.0 + 0.3 * torch.randn(b, t), torch.zeros(b, t)).abs()
+    extra = torch.where(valid, torch.rand(b, t), torch.zeros(b, t))
+    mask = valid if mask_kind == "bool" else valid.to(torch.float32)
+    got = finalize_metrics(weight_metrics(w, mask, num_tokens=n_tok, extra_token_rows={"x/extra": extra}))
+    cells = [(i, j) for i in range(b) for j in range(t) if valid[i, j]]
+    ws = [float(w[i, j]) for i, j in cells]
+    mean = sum(ws) / n_tok
+    dev = sum((x - 1.0) ** 2 for x in ws) / n_tok
+    assert got["correction/weight_mean"] == pytest.approx(mean, rel=1e-12)
+    assert got["correction/weight_sq_mean"] == pytest.approx(sum(x * x for x in ws) / n_tok, rel=1e-12)
+    assert got["correction/weight_std"] == pytest.approx(math.sqrt(dev - (mean - 1.0) ** 2), rel=1e-9)
+    assert got["correction/weight_max"] == max(ws) and got["correction/weight_min"] == min(ws)
+    assert got["x/extra"] == pytest.approx(sum(float(extra[i, j]) for i, j in cells) / n_tok, rel=1e-12)
+
+
+def test_row_sums_are_float64_means_over_the_global_counts() -> None:
+    """``row_sums``: token rows (bool fractions, float32 values) over ``num_tokens`` and sequence
+    rows over ``num_seqs``, each summed in float64 (a float32 sum of 1e4 ones plus 1e-4 loses it)."""
+    from megatron_acrl.correction import row_sums
+
+    torch.manual_seed(6)
+    frac = torch.rand(2, 5) > 0.5
+    vals = torch.full((2, 5), 1e-4, dtype=torch.float32)
+    vals[0, 0] = 1e4  # 1e4 + 9 x 1e-4: float32 cannot hold the small ones' sum beside it
+    seq = torch.tensor([0.25, 3.0, 0.0], dtype=torch.float32)
+    got = finalize_metrics(
+        row_sums({"a/frac": frac, "a/vals": vals}, {"a/seq": seq}, num_tokens=8, num_seqs=2)
+    )
+    assert got["a/frac"] == int(frac.sum()) / 8
+    assert got["a/vals"] == pytest.approx((1e4 + 9 * float(torch.tensor(1e-4))) / 8, rel=1e-13)
+    assert got["a/seq"] == 3.25 / 2
+    assert row_sums({}, {}, num_tokens=1, num_seqs=1) == {}

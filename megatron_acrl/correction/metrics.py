@@ -246,14 +246,20 @@ def token_row_metrics(
 
 
 def _to_floats(values: list[Tensor]) -> list[float]:
-    """Scalars -> floats with one device->host copy and few device ops.
+    """Scalars -> floats: on CPU, where there is no device to synchronise with, reading each scalar
+    is cheapest; on a device, :func:`gathered_floats`."""
+    if all(v.is_cpu for v in values):  # (not v.device.type: a device object per value costs 1 us)
+        return [v.item() for v in values]
+    return gathered_floats(values)
+
+
+def gathered_floats(values: list[Tensor]) -> list[float]:
+    """0-d tensors -> floats with one device->host copy and few device ops (the GPU path of
+    :func:`finalize_metrics`; any device, so that it is tested on CPU too).
 
     Most partials are views into a few flat tensors (``unbind`` of one stacked result); those bases
     are copied once each instead of stacking dozens of scalars (each stack input is a dispatch).
-    On CPU there is no device to synchronise with and reading each scalar is cheapest.
     """
-    if all(v.is_cpu for v in values):  # (not v.device.type: a device object per value costs 1 us)
-        return [v.item() for v in values]
     sources: list[Tensor] = []
     where: dict[int, int] = {}  # id(source) -> index into sources
     place: list[tuple[int, int]] = []  # (source index, element offset) per value
