@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "correction.md"
+REPORT = ROOT / "docs" / "mutation_survivors.md"
 GOAL = 0.9
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 
@@ -66,11 +67,55 @@ def score(statuses: dict[str, str], equivalent: dict[str, str]) -> tuple[float, 
     return (killed / len(counted) if counted else 0.0), survivors, stale
 
 
+def mutant_change(mutmut: str, name: str) -> list[str]:
+    """The lines ``name`` changes (``-`` old, ``+`` new), from ``mutmut show``."""
+    res = subprocess.run([mutmut, "show", name], cwd=ROOT, capture_output=True, text=True, check=False)
+    return [
+        line.rstrip()
+        for line in res.stdout.splitlines()
+        if line[:1] in "-+" and not line.startswith(("---", "+++"))
+    ]
+
+
+def function_of(name: str) -> str:
+    """``megatron_acrl.losses.x_aggregate__mutmut_3`` -> ``megatron_acrl.losses.aggregate``
+    (a method: ``...xǁMismatchTensorsǁ_token_rows__mutmut_5`` -> ``...MismatchTensors._token_rows``)."""
+    module, _, mangled = name.partition("__mutmut_")[0].rpartition(".")
+    if mangled.startswith("xǁ"):
+        cls, _, meth = mangled[2:].partition("ǁ")
+        return f"{module}.{cls}.{meth}"
+    return f"{module}.{mangled[2:]}"
+
+
+def write_report(
+    mutmut: str, survivors: list[str], statuses: dict[str, str], value: float, path: Path
+) -> None:
+    """Every survivor and the lines it changes, grouped by function, into ``path`` (markdown); the
+    reasons per function are in docs/correction.md ("Survivors")."""
+    by_function: dict[str, list[str]] = {}
+    for name in survivors:
+        by_function.setdefault(function_of(name), []).append(name)
+    out = [
+        "# Mutation testing: the survivors of the last full run",
+        "",
+        f"Written by `make mutate` (`scripts/mutate.py`): mutation score {value:.4f}, {len(survivors)} "
+        "survivors not listed as equivalent, grouped by function (most first), each with the lines it "
+        'changes. Why each group survives: docs/correction.md, "Survivors".',
+    ]
+    for func, names in sorted(by_function.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        out += ["", f"## `{func}` ({len(names)})", ""]
+        for name in sorted(names, key=lambda n: int(n.rpartition("_")[2])):
+            out.append(f"- `{name.rpartition('__mutmut_')[2]}` ({statuses[name]})")
+            out += [f"  `{line[:1]} {line[1:].strip()}`" for line in mutant_change(mutmut, name)]
+    path.write_text("\n".join(out) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="mutants tested at once")
     ap.add_argument("--keep", action="store_true", help="reuse mutants/ of an earlier run (mutmut's cache)")
     ap.add_argument("--score-only", action="store_true", help="score the results in mutants/ without running")
+    ap.add_argument("--report", type=Path, default=REPORT, help="where the survivors' list is written")
     args = ap.parse_args()
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
     if not args.score_only:
@@ -94,6 +139,8 @@ def main() -> int:
         print(f"listed as equivalent but not a mutant of this code (renumbered?): {name}")
     for name in survivors:
         print(f"survived: {name} ({statuses[name]}); `mutmut show {name}` shows it")
+    write_report(mutmut, survivors, statuses, value, args.report)
+    print(f"survivors and their changes, by function: {args.report}")
     print(f"mutation score: {value:.4f}")
     return 0 if value >= GOAL else 1
 

@@ -664,6 +664,11 @@ def test_the_device_path_of_finalize_reads_every_partial_exactly(method: str) ->
     col = grid[:, 1]  # a strided 1-D view of a 2-D base
     mix = [flat[7], flat[2], torch.tensor(-2.5), flat[2], col[2], grid[1, 3], *flat[4:].unbind(0)]
     mix += [torch.tensor([1.25], dtype=torch.float32).reshape(()), col.unbind(0)[0], flat[0]]
+    # 1-D bases that are not plain: strided (stride 2), and one that starts 2 elements into its storage
+    spaced = torch.empty_strided((5,), (2,), dtype=torch.float64).copy_(torch.arange(5.0) + 0.5)
+    shifted = torch.empty(0).set_(torch.arange(12.0).untyped_storage(), 2, (10,), (1,))
+    mix += [spaced[1], spaced[3], shifted[3], shifted[0]]
+    assert (spaced.stride(0), shifted.storage_offset()) == (2, 2) and shifted[3]._base is shifted
     assert _same_floats(gathered_floats(mix), [v.item() for v in mix])
     assert gathered_floats([flat[9]]) == [flat[9].item()]
 
@@ -711,3 +716,75 @@ def test_row_sums_are_float64_means_over_the_global_counts() -> None:
     assert got["a/vals"] == pytest.approx((1e4 + 9 * float(torch.tensor(1e-4))) / 8, rel=1e-13)
     assert got["a/seq"] == 3.25 / 2
     assert row_sums({}, {}, num_tokens=1, num_seqs=1) == {}
+
+
+def test_bounds_are_strict_where_the_docs_say_so() -> None:
+    """A token exactly at a TIS bound is not clipped (``rho > high``, ``rho < low``), and the veto
+    drops a sequence only for a ratio strictly below its threshold: rho = 1 exactly (equal
+    log-probs) against bounds of 1, and log rho = log(0.5) exactly (float64 inputs) against 0.5."""
+    same = torch.full((1, 3), -1.25)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    sh = MismatchTensors(same, same.clone(), mask, fused=False)
+    for low, high in ((0.5, 1.0), (1.0, 2.0)):
+        cfg = CorrectionConfig(method="tis", tis_low=low, tis_high=high)
+        got = finalize_metrics(compute_correction(cfg, sh, num_tokens=3, num_seqs=1).metrics)
+        assert (got["correction/clip_frac_high"], got["correction/clip_frac_low"]) == (0.0, 0.0)
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    roll = torch.tensor([[math.log(2.0), 0.0], [math.log(2.0) + 1e-9, 0.0]], dtype=torch.float64)
+    assert float(old[0, 0] - roll[0, 0]) == math.log(0.5)
+    sh = MismatchTensors(old, roll, torch.ones(2, 2, dtype=torch.bool), fused=False)
+    cfg = CorrectionConfig(method="none", veto_threshold=0.5)
+    w = compute_correction(cfg, sh, num_tokens=4, num_seqs=2).weights
+    assert w[0].tolist() == [1.0, 1.0] and w[1].tolist() == [0.0, 0.0]  # at the threshold: kept
+
+
+def test_tensor_counts_give_the_metrics_of_int_counts_down_to_one() -> None:
+    """The global counts arrive as Python ints or as (all-reduced) tensors; either way a count of 1
+    divides by 1 and a count of 0 by 1 (nothing to average), never by 2 or by 0."""
+    old = torch.tensor([[-1.0, -2.0]])
+    roll = torch.tensor([[-1.5, -2.0]])
+    mask = torch.tensor([[True, False]])
+    for fused in KERNELS:
+        sh = MismatchTensors(old, roll, mask, fused=fused)
+        for n in (1, 0):
+            as_int = finalize_metrics(mismatch_metrics(sh, num_tokens=n, num_seqs=n))
+            as_tensor = finalize_metrics(
+                mismatch_metrics(sh, num_tokens=torch.tensor(n), num_seqs=torch.tensor(n))
+            )
+            assert as_int.keys() == as_tensor.keys()
+            for k, v in as_int.items():
+                assert as_tensor[k] == pytest.approx(v, rel=1e-12, nan_ok=True), (fused, n, k)
+        one = finalize_metrics(mismatch_metrics(sh, num_tokens=torch.tensor(1), num_seqs=torch.tensor(1)))
+        assert one["mismatch/kl"] == pytest.approx(-0.5, rel=1e-12)  # log mu - log pi_old of the token
+        assert one["mismatch/chi2_seq"] == pytest.approx(math.exp(1.0) - 1.0, rel=1e-12)  # rho^2 = e
+
+
+def test_finalize_derives_the_weight_statistics_of_every_prefix() -> None:
+    """``weight_std``, ``weight_sq_mean`` and ``ess`` are derived for each prefix that has both
+    partials, whatever its length; a prefix with a mean but no ``weight_dev_sq_mean`` is left alone
+    and does not stop the others."""
+    one = torch.tensor
+    parts = {
+        "a/weight_mean": one(1.5),  # no dev partial: nothing derived, and the loop goes on
+        "longer_prefix/weight_mean": one(1.0),
+        "longer_prefix/weight_dev_sq_mean": one(0.25),
+    }
+    got = finalize_metrics(parts)
+    assert got["a/weight_mean"] == 1.5 and "a/weight_std" not in got
+    assert got["longer_prefix/weight_std"] == 0.5 and got["longer_prefix/weight_sq_mean"] == 1.25
+    assert got["longer_prefix/ess"] == pytest.approx(1.0 / 1.25, rel=1e-15)
+    assert "longer_prefix/weight_dev_sq_mean" not in got
+
+
+def test_misuse_errors_name_the_fix() -> None:
+    """The fused kernel asked for inputs it cannot take, and a method the config would have refused
+    (a dataclass built in code), are errors that say what to use instead."""
+    lp = torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=r"needs 2-D float32 CPU log-probs .*correction.kernel=torch runs the PyTorch path"
+    ):
+        MismatchTensors(lp, lp, torch.ones(1, 2, dtype=torch.bool), fused=True)
+    sh = MismatchTensors(lp, lp, torch.ones(1, 2, dtype=torch.bool), fused=False)
+    bogus = dataclasses.replace(CorrectionConfig(), method="bogus")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown correction.method 'bogus'"):
+        compute_correction(bogus, sh, num_tokens=2, num_seqs=1)

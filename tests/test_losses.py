@@ -294,6 +294,16 @@ def test_aggregate_modes_by_hand():
     )
     with pytest.raises(ValueError, match="norm_len"):
         aggregate(x, m, "seq-mean-token-sum-norm", num_tokens=3, num_seqs=2)
+    # the smallest constant length is 1 (a sum per sequence); 0 is refused with the key to set
+    assert aggregate(x, m, "seq-mean-token-sum-norm", num_tokens=3, num_seqs=2, norm_len=1).item() == 3.5
+    with pytest.raises(ValueError, match=r"needs norm_len >= 1 \(algorithm.loss_norm_len\)"):
+        aggregate(x, m, "seq-mean-token-sum-norm", num_tokens=3, num_seqs=2, norm_len=0)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'seq-sum'"):
+        aggregate(x, m, "seq-sum", num_tokens=3, num_seqs=2)
+    # a row of masked-in values: the per-sequence means divide by each row's own length (over T)
+    y = torch.tensor([[2.0, 4.0, 6.0], [3.0, 3.0, 3.0]])
+    full = torch.ones(2, 3, dtype=torch.bool)
+    assert aggregate(y, full, "seq-mean-token-mean", num_tokens=6, num_seqs=2).item() == pytest.approx(3.5)
 
 
 def test_ppo_clip_behaviour():
