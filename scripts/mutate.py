@@ -15,6 +15,7 @@ X is below the goal (0.9).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "correction.md"
 REPORT = ROOT / "docs" / "mutation_survivors.md"
 GOAL = 0.9
-KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+KILLED = {"killed", "timeout", "caught by type check", "segfault", "crashed"}
 
 
 def equivalent_mutants(doc: Path = DOCS) -> dict[str, str]:
@@ -65,6 +66,38 @@ def score(statuses: dict[str, str], equivalent: dict[str, str]) -> tuple[float, 
     survivors = sorted(k for k, v in counted.items() if v not in KILLED)
     stale = sorted(set(equivalent) - set(statuses))
     return (killed / len(counted) if counted else 0.0), survivors, stale
+
+
+def recheck_suspicious(statuses: dict[str, str]) -> dict[str, str]:
+    """Run each "suspicious" mutant's tests again, alone; a run that fails or crashes kills it.
+
+    mutmut calls a test run that ends by a signal it has no name for "suspicious": SIGABRT among
+    them, which is how glibc ends a process whose heap a mutant corrupted (a C pass writing doubles
+    past a float32 buffer). Such a run did not pass, like a segfault (which mutmut counts as killed).
+    """
+    stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
+    tests_by_function = stats["tests_by_mangled_function_name"]
+    out = dict(statuses)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for name in sorted(k for k, v in statuses.items() if v == "suspicious"):
+        tests = sorted(tests_by_function.get(name.rpartition("__mutmut_")[0], []))
+        if not tests:
+            continue
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+        cmd += ["--hypothesis-profile=mutate", *tests]
+        try:
+            rc = subprocess.run(
+                cmd, cwd=ROOT / "mutants", env={**env, "MUTANT_UNDER_TEST": name}, capture_output=True,
+                timeout=900, check=False,
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 0  # still undecided: stays suspicious
+        if rc == 1:
+            out[name] = "killed"
+        elif rc < 0 or rc >= 128:  # ended by a signal (the shell's 128 + N, or -N)
+            out[name] = "crashed"
+        print(f"rechecked {name}: exit {rc} -> {out[name]}")
+    return out
 
 
 def mutant_change(mutmut: str, name: str) -> list[str]:
@@ -127,6 +160,7 @@ def main() -> int:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     every = mutant_statuses(mutmut)
     statuses = {k: v for k, v in every.items() if v != "not checked"}  # all of them after a full run
+    statuses = recheck_suspicious(statuses)
     equivalent = equivalent_mutants()
     value, survivors, _ = score(statuses, equivalent)
     stale = sorted(set(equivalent) - set(every))

@@ -774,6 +774,9 @@ def test_finalize_derives_the_weight_statistics_of_every_prefix() -> None:
     assert got["longer_prefix/weight_std"] == 0.5 and got["longer_prefix/weight_sq_mean"] == 1.25
     assert got["longer_prefix/ess"] == pytest.approx(1.0 / 1.25, rel=1e-15)
     assert "longer_prefix/weight_dev_sq_mean" not in got
+    # chi2_seq from its log: exp(v) - 1 below v = 700, +inf from there (e^700 ~ 1e304, float64's edge)
+    lse = finalize_metrics({"m/chi2_seq_lse": one(699.5, dtype=torch.float64), "n/chi2_seq_lse": one(700.5)})
+    assert lse["m/chi2_seq"] == pytest.approx(math.exp(699.5), rel=1e-12) and lse["n/chi2_seq"] == math.inf
 
 
 def test_misuse_errors_name_the_fix() -> None:
@@ -788,3 +791,31 @@ def test_misuse_errors_name_the_fix() -> None:
     bogus = dataclasses.replace(CorrectionConfig(), method="bogus")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown correction.method 'bogus'"):
         compute_correction(bogus, sh, num_tokens=2, num_seqs=1)
+
+
+@FUSED
+def test_acrl_weights_are_cut_at_both_bounds_and_at_one_sided_limits(fused: bool) -> None:
+    """An exponent alpha * log rho beyond +-20 is cut there (weight e^-20 or e^20, counted as
+    saturated), on either side; ``weight_low`` or ``weight_high`` alone clamps on its side only."""
+    old = torch.tensor([[-1.0, -31.0, -1.0, -1.2]])  # log rho: 0, -30 (clamped to -20), +20, +0.2
+    roll = torch.tensor([[-1.0, -1.0, -21.0, -1.4]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    adv = torch.ones(1, 4)
+    sig = AcrlSignal(x=1.0, y=0.0)  # 1 - Y/X = 1: alpha = gamma * sign(A) = 2
+    sh = MismatchTensors(old, roll, mask, fused=fused)
+    cfg = CorrectionConfig(method="acrl", gamma=2.0)
+    corr = compute_correction(cfg, sh, num_tokens=4, num_seqs=1, advantages=adv, acrl=sig)
+    w = corr.weights.double()
+    bound = math.exp(-20.0)
+    assert w[0, 0] == 1.0 and w[0, 1] == pytest.approx(bound, rel=1e-6)
+    assert w[0, 2] == pytest.approx(math.exp(20.0), rel=1e-6) and w[0, 3] == pytest.approx(
+        math.exp(0.4), rel=1e-6
+    )
+    assert finalize_metrics(corr.metrics)["acrl/saturated_frac"] == 0.5
+    for low, high, want in (
+        (0.5, None, (1.0, 0.5, math.exp(20.0), math.exp(0.4))),
+        (None, 1.2, (1.0, bound, 1.2, 1.2)),
+    ):
+        cut = dataclasses.replace(cfg, weight_low=low, weight_high=high)
+        got = compute_correction(cut, sh, num_tokens=4, num_seqs=1, advantages=adv, acrl=sig).weights
+        assert got.double()[0].tolist() == pytest.approx(list(want), rel=1e-6), (low, high)

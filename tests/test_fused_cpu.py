@@ -284,6 +284,29 @@ def test_strided_inputs():
     _assert_reference_metrics(_metrics(sh, lp, lq, mask), lp, lq, mask)
 
 
+def test_a_mask_of_any_dtype_reads_as_its_nonzero_entries():
+    """The response mask may come as bool, 0/1 floats or integers (a trainer's attention mask): on
+    both kernels every dtype gives the bool mask's metrics and weights exactly."""
+    lp, lq, mask, adv = batch(6, pad_garbage=False)
+    cfg = CorrectionConfig(method="acrl")
+    sig = AcrlSignal(x=0.02, y=0.05)
+    for fused in (False, True):
+        want = None
+        for m in (mask, mask.to(torch.float32), mask.to(torch.int64), mask.to(torch.float64) * 1.0):
+            sh = MismatchTensors(lp, lq, m, fused=fused)
+            corr = compute_correction(
+                cfg, sh, num_tokens=int(mask.sum()), num_seqs=4, advantages=adv, acrl=sig
+            )
+            got = (
+                corr.weights,
+                finalize_metrics({**corr.metrics, **mismatch_metrics(sh, num_tokens=9, num_seqs=4)}),
+            )
+            if want is None:
+                want = got
+                continue
+            assert torch.equal(got[0], want[0]) and got[1] == want[1], (fused, m.dtype)
+
+
 def test_paths_that_stay_in_pytorch():
     lp, lq, mask, adv = batch(1)
     with pytest.raises(ValueError, match="float32 CPU"):

@@ -445,3 +445,20 @@ def test_regularizer_metrics_and_the_norm_len_argument_by_hand():
     norm = AlgorithmConfig(loss_agg="seq-mean-token-sum-norm", loss_norm_len=2)
     loss, _ = _loss(x, lp_old, lp_old.clone(), adv, mask, norm, cfg, norm_len=8)
     assert loss.item() == pytest.approx((-1.0 + 2.0 - 0.5) / 8, rel=1e-12)  # one sequence, / norm_len 8
+
+
+def test_a_single_token_batch_divides_by_one() -> None:
+    """Global counts of 1 (one valid token, one sequence): the loss, the clip fraction and the PPO KL
+    are that token's own values, never halved (a count is floored at 1, not 2)."""
+    alg = AlgorithmConfig(clip_low=0.2, clip_high=0.28)
+    lp = torch.tensor([[0.5, 0.0]], requires_grad=True)  # ratio e^0.5 > 1.28: clipped (A > 0)
+    old = torch.zeros(1, 2)
+    mask = torch.tensor([[True, False]])
+    loss, metrics = rl_loss(
+        lp, old, old, torch.ones(1, 2), mask, algorithm=alg, correction=CorrectionConfig(method="none"),
+        acrl=None, num_tokens=torch.tensor(1), num_seqs=torch.tensor(1), fused=False,
+    )  # fmt: skip
+    out = finalize_metrics(metrics)
+    assert loss.item() == pytest.approx(-1.28, rel=1e-6)  # -A * clip(ratio) of the one token
+    assert out["loss/pg_clipfrac"] == 1.0
+    assert out["loss/ppo_kl"] == pytest.approx(-0.5, rel=1e-6)  # mean of log pi_old - log pi
