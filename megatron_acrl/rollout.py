@@ -216,7 +216,7 @@ def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tupl
         why = f"{type(e).__name__}: {e}"
         gone = isinstance(e, ServerGoneError) or (ctx.servers is not None and ctx.servers.dead_servers())
         stopped = ctx.stopping()
-        if not (gone or stopped) or (last and not stopped):
+        if not stopped and (not gone or last):
             return "error", why
         # the prompts of the try go back: a retry, or the resume, samples them again
         state.prompts_consumed = consumed
