@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 
 from megatron_acrl.config import ModelConfig
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerSpec
 
 

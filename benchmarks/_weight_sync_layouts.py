@@ -121,10 +121,10 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of layout ``args.worker``: both paths on the same Policy, interleaved."""
     import torch.distributed as dist
 
-    from megatron_acrl.context import RunContext, attach_weight_source
-    from megatron_acrl.distributed import init_distributed
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.rollout_servers import RolloutServers
+    from megatron_acrl.run.context import RunContext, attach_weight_source
+    from megatron_acrl.servers.handle import RolloutServers
+    from megatron_acrl.world.distributed import init_distributed
 
     cfgs = {p: layout_config(args.worker, args, args.server_url, p) for p in PATHS}
     rank, world = init_distributed(cfgs["per_source"])
@@ -215,7 +215,7 @@ def start_layout_servers(
     names: list[str], args: argparse.Namespace, work: Path, stack: Any
 ) -> dict[bool, tuple[str, str]]:
     """One server per model kind the layouts need (dense / MoE), entered on ``stack``: kind -> (url, ckpt)."""
-    from megatron_acrl.tiny_model import build_checkpoint
+    from megatron_acrl.warmstart.tiny_model import build_checkpoint
     from sglang_bridge.server import ServerSpec, SGLangServer
 
     out = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_acrl.config import ModelConfig
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.fp8 import Fp8Scheme, served_fp8_checkpoint
 from sglang_bridge.hf_reference import hf_logprobs, load_hf
 from sglang_bridge.server import ServerGroup, ServerSpec

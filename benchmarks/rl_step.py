@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from _correction_pass import correction_pass
 
-from megatron_acrl.batch import load_rollouts
+from megatron_acrl.batch.rollout_batch import load_rollouts
 from megatron_acrl.config import load_config
 from megatron_acrl.correction import AcrlController
 from megatron_acrl.logging import read_jsonl_metrics

@@ -66,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling module
 import _weight_sync_layouts as layouts  # noqa: E402
 
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.fp8 import (
     FP8_DTYPE,
     Fp8Scheme,

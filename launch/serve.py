@@ -33,7 +33,7 @@ from typing import Any
 
 from launch.plan import DEFAULT_PORT
 from megatron_acrl.config import Config, ConfigError, load_config
-from megatron_acrl.exit_codes import CONFIG_ERROR
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def server_command(
     the trainer reads its weight-sync manifest from the same copy), so its weights are exactly the
     e4m3 + scales the bridge sends."""
     # Imported here so that `launch.submit` (and its tests) never import the SGLang side.
-    from megatron_acrl.server_weights import fp8_scheme, resolve_fp8_mode
+    from megatron_acrl.servers.transfer import fp8_scheme, resolve_fp8_mode
     from sglang_bridge.fp8 import served_fp8_checkpoint
     from sglang_bridge.server import ServerSpec
 

@@ -32,8 +32,7 @@ import yaml
 
 from launch.cluster import ClusterError, check_plan_fits, partition_info
 from launch.plan import DEFAULT_PORT, JobPlan, plan_job
-from megatron_acrl import exit_codes
-from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config, parse_overrides
+from megatron_acrl.config import Config, ConfigError, config_to_dict, exit_codes, load_config, parse_overrides
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch"
 WRAPPER = Path(__file__).with_name("rank_wrapper.sh")

@@ -13,7 +13,7 @@ given), the master's interface in a multi-node job. The ranks themselves only di
 
 Stopping. SIGTERM to this process (``kill``, a scheduler, ``docker stop``) or Ctrl-C on its process
 group is forwarded by the agent to every rank's process group; each rank's entry point
-(:mod:`megatron_acrl.signals`) then finishes its step, checkpoints and exits 0. The agent waits
+(:mod:`megatron_acrl.world.signals`) then finishes its step, checkpoints and exits 0. The agent waits
 ``--shutdown-timeout`` seconds for that before it SIGKILLs the ranks: torch's 30 s default is often
 shorter than a step plus a save, so this launcher defaults it to :data:`STOP_GRACE_S` (bounded: a
 rank that hangs is still killed). When every rank exited 0 after the stop, this process exits 0

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from megatron_acrl.exit_codes import SERVERS_UNAVAILABLE
+from megatron_acrl.config.exit_codes import SERVERS_UNAVAILABLE
 from sglang_bridge.server import ServersNotReady, wait_for_servers
 
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output directory (default: <first run>/plots)")
     args = ap.parse_args(argv)
     out = args.out or str(Path(args.runs[0]) / "plots")
-    from megatron_acrl.evaluate import exact_j_summary  # the driver's evaluation (torch) only here
+    from megatron_acrl.rollout.evaluate import exact_j_summary  # the driver's evaluation (torch) only here
 
     files = plot_runs(args.runs, out)
     print(f"{len(files)} plots in {out}")

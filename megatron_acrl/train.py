@@ -5,11 +5,11 @@ rollout servers, every rank trains. One step::
 
     batch (generate -> reward) -> pi_old log-probs -> advantages -> controller -> train -> publish
 
-The batch comes from the rollout producer (:mod:`megatron_acrl.producer`): generated now
+The batch comes from the rollout producer (:mod:`megatron_acrl.rollout.producer`): generated now
 (``rollout.mode: sync``) or taken from the queue the servers keep filling while the trainer trains
 (``async``, within ``rollout.max_staleness`` weight versions). Each phase is a named function in
 its own module; this file only wires them together, and is the entry point that owns SIGTERM /
-SIGINT (:mod:`megatron_acrl.signals`): the first finishes the step, checkpoints and stops (exit 0:
+SIGINT (:mod:`megatron_acrl.world.signals`): the first finishes the step, checkpoints and stops (exit 0:
 the launch script requeues the job), a second stops at once; either way the servers this process
 started are stopped. Servers that fail after the first (SLURM's preemption signals their step too)
 are not restarted: a failed rollout ends the loop at the last completed step, a failed weight sync
@@ -27,19 +27,19 @@ from typing import Any
 
 from torch import Tensor
 
-from megatron_acrl.advantages import compute_advantages
-from megatron_acrl.batch import RolloutBatch, minibatches
+from megatron_acrl.algo.advantages import compute_advantages
+from megatron_acrl.batch.rollout_batch import RolloutBatch, minibatches
+from megatron_acrl.batch.staleness import staleness_metrics
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
-from megatron_acrl.context import RunContext, StoppedWithoutServers, setup_run
-from megatron_acrl.distributed import any_rank, log0
-from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.logging import thread_clock
 from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
-from megatron_acrl.preflight import preflight, resolve_checkpoint_dir
-from megatron_acrl.producer import Producer, make_producer
-from megatron_acrl.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
-from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
-from megatron_acrl.staleness import staleness_metrics
+from megatron_acrl.rollout.producer import Producer, make_producer
+from megatron_acrl.run.context import RunContext, StoppedWithoutServers, setup_run
+from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
+from megatron_acrl.run.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
+from megatron_acrl.world.distributed import any_rank, log0
+from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
 from sglang_bridge.server import ServersNotReady
 
 

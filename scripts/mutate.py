@@ -111,7 +111,7 @@ def mutant_change(mutmut: str, name: str) -> list[str]:
 
 
 def function_of(name: str) -> str:
-    """``megatron_acrl.losses.x_aggregate__mutmut_3`` -> ``megatron_acrl.losses.aggregate``
+    """``megatron_acrl.algo.losses.x_aggregate__mutmut_3`` -> ``megatron_acrl.algo.losses.aggregate``
     (a method: ``...xǁMismatchTensorsǁ_token_rows__mutmut_5`` -> ``...MismatchTensors._token_rows``)."""
     module, _, mangled = name.partition("__mutmut_")[0].rpartition(".")
     if mangled.startswith("xǁ"):

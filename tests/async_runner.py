@@ -27,8 +27,8 @@ import e2e_runner  # this directory is on sys.path: the runner is run as a scrip
 import httpx
 import torch
 
-from megatron_acrl.batch import load_rollouts
-from megatron_acrl.staleness import parse_version
+from megatron_acrl.batch.rollout_batch import load_rollouts
+from megatron_acrl.batch.staleness import parse_version
 from sglang_bridge.transport import auth_headers
 
 

@@ -24,7 +24,7 @@ import sys
 
 from megatron.core import parallel_state
 
-import megatron_acrl.evaluate as evaluate_mod
+import megatron_acrl.rollout.evaluate as evaluate_mod
 from megatron_acrl.config import load_config
 from megatron_acrl.train import parse_args, run
 

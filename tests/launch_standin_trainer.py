@@ -4,7 +4,7 @@
 
 THE REAL DRIVER PLUGS IN HERE: the launch tests submit with ``--entry-module
 tests.launch_standin_trainer``; production jobs use the default ``--entry-module
-megatron_acrl.train``, which keeps the same contract (``megatron_acrl/exit_codes.py``):
+megatron_acrl.train``, which keeps the same contract (``megatron_acrl/config/exit_codes.py``):
 
 * one process per rank, meeting at MASTER_ADDR:MASTER_PORT with RANK / WORLD_SIZE (like
   torch.distributed's env://; a few-line TCP group here because importing torch costs ~5 s per rank

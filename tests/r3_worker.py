@@ -125,7 +125,7 @@ def scenario_layouts(args: dict[str, Any]) -> dict[str, Any]:
 
 def scenario_sglang(args: dict[str, Any]) -> dict[str, Any]:
     """Trainer log-probs of a batch SGLang generated, replay off vs rollout, per layout."""
-    from megatron_acrl.batch import RolloutBatch
+    from megatron_acrl.batch.rollout_batch import RolloutBatch
     from megatron_acrl.config import load_config
     from megatron_acrl.megatron.base import initialize_parallel
     from megatron_acrl.megatron.policy import Policy

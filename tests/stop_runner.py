@@ -27,8 +27,8 @@ import psutil
 import torch
 
 import megatron_acrl.train as train
-from megatron_acrl.batch import build_batch, save_rollouts
-from megatron_acrl.signals import StopSignals
+from megatron_acrl.batch.rollout_batch import build_batch, save_rollouts
+from megatron_acrl.world.signals import StopSignals
 
 PAUSE_LIMIT_S = 600.0
 """A pause that sees no signal this long fails the run (the test's signal never arrived)."""

@@ -98,7 +98,7 @@ def trainer_delta(trainer: Any, url: str, rank: int) -> dict[str, Any]:
     """Rank 0 samples the prompts on the server; every rank scores the same tokens with the trainer;
     rank 0 returns max and mean |server - trainer| log-prob over the generated tokens and the
     version."""
-    from megatron_acrl.distributed import broadcast_object
+    from megatron_acrl.world.distributed import broadcast_object
 
     samples = _samples(url, trainer.cfg.rollout.temperature) if rank == 0 else None
     seqs = broadcast_object([s.prompt_ids + s.output_ids for s in samples] if samples else None)
@@ -222,10 +222,10 @@ def _recording(fn: Any, failures: list[str]) -> Any:
 
 
 def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt: str) -> dict[str, Any]:
-    from megatron_acrl.context import RunContext, attach_weight_source
     from megatron_acrl.megatron.base import initialize_parallel
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.rollout_servers import RolloutServers
+    from megatron_acrl.run.context import RunContext, attach_weight_source
+    from megatron_acrl.servers.handle import RolloutServers
 
     cfg = case_config(case, url)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_acrl.advantages import (
+from megatron_acrl.algo.advantages import (
     dynamic_sampling_keep,
     gae,
     group_stats,
@@ -120,7 +120,7 @@ def test_overlong_penalty_with_a_one_token_buffer():
 def test_compute_advantages_grpo_family(algorithm, norm):
     """GRPO normalises by the group std (unless grpo_norm_std is off); Dr. GRPO never does. Metrics:
     the sequence advantages' mean and |mean| and the fraction of samples in constant groups."""
-    from megatron_acrl.advantages import compute_advantages
+    from megatron_acrl.algo.advantages import compute_advantages
     from megatron_acrl.config import config_from_dict
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 3.0, 1.0])

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from test_e2e import run_spec
 
-from megatron_acrl.batch import load_rollouts
+from megatron_acrl.batch.rollout_batch import load_rollouts
 from megatron_acrl.config import load_config
 from megatron_acrl.logging import read_jsonl_metrics
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.server_key import new_api_key
 

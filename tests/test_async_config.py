@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_acrl.batch.staleness import format_version, parse_version, token_versions
 from megatron_acrl.config import ConfigError, load_config
-from megatron_acrl.generation import GenerationEngine
-from megatron_acrl.resume import DriverState, check_resume
-from megatron_acrl.served_weights import INDEX_FILE, check_resumable, served_version
-from megatron_acrl.staleness import format_version, parse_version, token_versions
+from megatron_acrl.rollout.engine import GenerationEngine
+from megatron_acrl.run.resume import DriverState, check_resume
+from megatron_acrl.servers.publisher import INDEX_FILE, check_resumable, served_version
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from reference import ref_mismatch
 
-from megatron_acrl.batch import RolloutBatch, build_batch
-from megatron_acrl.group_queue import GroupQueue
+from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch
+from megatron_acrl.batch.staleness import staleness_metrics
 from megatron_acrl.logging import supersede_rows_after
-from megatron_acrl.staleness import staleness_metrics
+from megatron_acrl.rollout.group_queue import GroupQueue
 from megatron_acrl.tasks.base import Prompt
 
 

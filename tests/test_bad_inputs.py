@@ -5,7 +5,7 @@ initialises the world, builds the model and starts the servers) is replaced by a
 
 One table; each row builds its input in a temporary directory. The first rows are the inputs that
 failed late (with a traceback, some after the server started) before the pre-flight
-(:mod:`megatron_acrl.preflight`); the last ones were caught already and stay caught.
+(:mod:`megatron_acrl.run.preflight`); the last ones were caught already and stay caught.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import megatron_acrl.train as train
-from megatron_acrl.exit_codes import CONFIG_ERROR
-from megatron_acrl.tiny_model import build_tokenizer
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
+from megatron_acrl.warmstart.tiny_model import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "tiny_dense.yaml")

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import megatron_acrl.megatron.checkpoint as checkpoint
 import megatron_acrl.train as train
 from megatron_acrl.config import Config, ConfigError, load_config
-from megatron_acrl.exit_codes import CONFIG_ERROR
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
 from megatron_acrl.megatron.step_manifest import MANIFEST, select_step_dir
-from megatron_acrl.preflight import resolve_checkpoint_dir
-from megatron_acrl.resume import DriverState, check_resume, load_driver_state, save_checkpoint
+from megatron_acrl.run.preflight import resolve_checkpoint_dir
+from megatron_acrl.run.resume import DriverState, check_resume, load_driver_state, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = str(REPO / "configs" / "tiny_dense.yaml")

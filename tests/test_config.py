@@ -263,8 +263,8 @@ def test_cli_reports_errors_with_exit_code_2():
 
 
 def test_fp8_mode_is_honoured_per_device(tmp_path):
-    from megatron_acrl.rollout_servers import RolloutServers
-    from megatron_acrl.server_weights import resolve_fp8_mode
+    from megatron_acrl.servers.handle import RolloutServers
+    from megatron_acrl.servers.transfer import resolve_fp8_mode
 
     def cfg(*overrides: str):
         return load_config(ROOT / "configs/tiny_dense.yaml", ["rollout.quantization=fp8_block", *overrides])

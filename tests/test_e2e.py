@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_acrl.batch import load_rollouts
+from megatron_acrl.batch.rollout_batch import load_rollouts
 from megatron_acrl.logging import read_jsonl_metrics, read_wandb_history
 from megatron_acrl.megatron.step_manifest import select_step_dir
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_acrl.config import ConfigError, load_config
-from megatron_acrl.evaluate import exact_batch, exact_due, exact_j, exact_j_summary, exact_sequences
 from megatron_acrl.logging import read_jsonl_metrics
+from megatron_acrl.rollout.evaluate import exact_batch, exact_due, exact_j, exact_j_summary, exact_sequences
 from megatron_acrl.tasks import make_task
 from megatron_acrl.tasks.synthetic import AdditionTask
 
@@ -109,7 +109,7 @@ def test_config_refuses_what_cannot_be_enumerated():
 def tiny_tokenizer():
     from transformers import AutoTokenizer
 
-    from megatron_acrl.tiny_model import build_tokenizer
+    from megatron_acrl.warmstart.tiny_model import build_tokenizer
 
     return AutoTokenizer.from_pretrained(str(build_tokenizer()))
 
@@ -180,7 +180,7 @@ def test_stress_served_j_is_the_lagged_quantized_copy(live):
 
 
 def test_the_stress_lm_head_is_the_tied_embedding_when_there_is_none():
-    from megatron_acrl.server_weights import lm_head_names
+    from megatron_acrl.servers.transfer import lm_head_names
 
     assert lm_head_names(load_config(CONFIG, ["model.tie_embeddings=false"])) == ("lm_head.weight",)
     assert lm_head_names(load_config(CONFIG, ["model.tie_embeddings=true"])) == ("model.embed_tokens.weight",)

@@ -14,8 +14,7 @@ import pytest
 
 from launch.plan import DEFAULT_API_KEY_ENV, plan_job
 from launch.submit import main as submit_main
-from megatron_acrl import exit_codes
-from megatron_acrl.config import ConfigError, load_config
+from megatron_acrl.config import ConfigError, exit_codes, load_config
 from sglang_bridge.server import ServersNotReady, wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]

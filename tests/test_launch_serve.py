@@ -14,7 +14,7 @@ import pytest
 
 from launch.serve import ServerSlot, server_command
 from megatron_acrl.config import ModelConfig, load_config
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,7 @@ from reference import counts as valid_counts
 from reference import ref_rl_loss, ref_weights
 from test_correction import KERNELS, batches, make_batch
 
+from megatron_acrl.algo.losses import aggregate, kl_penalty, ppo_policy_loss, rl_loss, value_loss
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import (
     AcrlSignal,
@@ -28,7 +29,6 @@ from megatron_acrl.correction import (
     combine_partials,
     finalize_metrics,
 )
-from megatron_acrl.losses import aggregate, kl_penalty, ppo_policy_loss, rl_loss, value_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 SIG = AcrlSignal(x=0.05, y=0.09)
@@ -379,7 +379,7 @@ def test_value_loss_clips_both_sides_and_counts_one_token():
 
 
 def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
-    from megatron_acrl.losses import sft_loss
+    from megatron_acrl.algo.losses import sft_loss
 
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])

@@ -1,4 +1,4 @@
-"""Micro-batch plans (``megatron_acrl.microbatch``): token-budget packing, DP balance, and the loss
+"""Micro-batch plans (``megatron_acrl.batch.microbatch``): token-budget packing, DP balance, and the loss
 they feed, which must not change with the cut (float64, values and gradients)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from reference import ref_rl_loss, ref_weights
 from test_correction import counts
 
+from megatron_acrl.algo.losses import rl_loss
+from megatron_acrl.batch.microbatch import budget_plan, fixed_plan, row_lengths
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import AcrlSignal
-from megatron_acrl.losses import rl_loss
-from megatron_acrl.microbatch import budget_plan, fixed_plan, row_lengths
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

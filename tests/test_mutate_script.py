@@ -29,7 +29,13 @@ def test_the_score_leaves_out_listed_equivalents_and_counts_timeouts_as_killed()
 
 def test_a_mutant_name_names_its_function() -> None:
     m = _mutate()
-    assert m.function_of("megatron_acrl.losses.x_aggregate__mutmut_3") == "megatron_acrl.losses.aggregate"
+    assert (
+        m.function_of("megatron_acrl.algo.losses.x_aggregate__mutmut_3")
+        == "megatron_acrl.algo.losses.aggregate"
+    )
     name = "megatron_acrl.correction.mismatch.xǁMismatchTensorsǁ_token_rows__mutmut_5"
     assert m.function_of(name) == "megatron_acrl.correction.mismatch.MismatchTensors._token_rows"
-    assert m.function_of("megatron_acrl.advantages.x__gae__mutmut_2") == "megatron_acrl.advantages._gae"
+    assert (
+        m.function_of("megatron_acrl.algo.advantages.x__gae__mutmut_2")
+        == "megatron_acrl.algo.advantages._gae"
+    )

@@ -1,4 +1,4 @@
-"""PPO advantages (``megatron_acrl.advantages``): token rewards, GAE, whitening, the returns contract."""
+"""PPO advantages (``megatron_acrl.algo.advantages``): token rewards, GAE, whitening, the returns contract."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from megatron_acrl.advantages import compute_advantages, last_token_rewards, masked_whiten, ppo_advantages
+from megatron_acrl.algo.advantages import (
+    compute_advantages,
+    last_token_rewards,
+    masked_whiten,
+    ppo_advantages,
+)
 from megatron_acrl.config import config_from_dict
 
 

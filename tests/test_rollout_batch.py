@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
+from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
 
 
 def make():

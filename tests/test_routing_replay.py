@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_acrl.batch import RolloutBatch, build_batch
+from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch
 from megatron_acrl.config import ConfigError, load_config
 from megatron_acrl.megatron.routing_replay import (
     ObservedRouterReplay,

@@ -36,8 +36,8 @@ from security_helpers import (
 )
 
 from megatron_acrl.config import ConfigError, load_config
-from megatron_acrl.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
-from megatron_acrl.rollout_servers import RolloutServers, run_api_key
+from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
+from megatron_acrl.servers.handle import RolloutServers, run_api_key
 from sglang_bridge.listeners import port_holder
 from sglang_bridge.server import ServersNotReady, free_port, probe
 from sglang_bridge.server_key import new_api_key

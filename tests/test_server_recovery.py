@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import megatron_acrl.server_recovery as recovery_mod
+import megatron_acrl.servers.recovery as recovery_mod
 from megatron_acrl.config import load_config
-from megatron_acrl.server_recovery import ServerRecovery
-from megatron_acrl.server_weights import HUNG, RECONNECT, RESTART, recovery
+from megatron_acrl.servers.recovery import ServerRecovery
+from megatron_acrl.servers.transfer import HUNG, RECONNECT, RESTART, recovery
 from sglang_bridge.client import ServerGoneError
 from sglang_bridge.weight_sync import ManifestMismatchError, WeightSyncError, WeightSyncTimeoutError
 

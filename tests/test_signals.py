@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import megatron_acrl.signals as signals_mod
-from megatron_acrl.signals import Interrupted, stop_on_signals
+import megatron_acrl.world.signals as signals_mod
+from megatron_acrl.world.signals import Interrupted, stop_on_signals
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def test_importing_the_driver_and_the_bridge_installs_no_handler():
     code = (
         "import signal\n"
         "before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)\n"
-        "import megatron_acrl.train, megatron_acrl.study.cli, megatron_acrl.signals\n"
+        "import megatron_acrl.train, megatron_acrl.study.cli, megatron_acrl.world.signals\n"
         "import sglang_bridge.server, sglang_bridge.client, sglang_bridge.weight_sync\n"
         "after = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)\n"
         "assert after == before, (before, after)\n"

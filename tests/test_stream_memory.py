@@ -13,7 +13,7 @@ import torch
 
 from megatron_acrl.config import Config
 from megatron_acrl.megatron.convert import ArchInfo, iter_megatron_to_hf
-from megatron_acrl.server_weights import weights_for_servers
+from megatron_acrl.servers.transfer import weights_for_servers
 from sglang_bridge.fp8 import Fp8Scheme
 from sglang_bridge.fp8.stress import fake_quantize_named_stress
 

@@ -26,7 +26,7 @@ import mcore_worker as mw
 import pytest
 from dist_launch import launch
 
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerGroup, ServerSpec
 from sglang_bridge.server_key import new_api_key
 

@@ -3,7 +3,7 @@
 Process groups are read once (``ProcessGroupCollection.use_mpu_process_groups()``) after
 :func:`initialize_parallel` and passed explicitly to the model, DDP, the optimizer, the schedule and
 our own collectives. Every rank holds the whole batch (the driver broadcasts it) and computes the
-same micro-batch plan from it (``megatron_acrl.microbatch``: fixed micro_batch_size slices, or
+same micro-batch plan from it (``megatron_acrl.batch.microbatch``: fixed micro_batch_size slices, or
 token-budget micro-batches with balanced tokens per data-parallel rank), so the global loss
 denominators are known locally without a collective.
 
@@ -38,13 +38,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_acrl.batch.microbatch import MicroBatchPlan, budget_plan, fixed_plan, row_lengths
 from megatron_acrl.config import Config, ParallelConfig
 from megatron_acrl.correction import combine_partials, finalize_metrics
 from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io
 from megatron_acrl.megatron.collectives import all_reduce_partials
 from megatron_acrl.megatron.model import build_model_chunks, padded_vocab_size, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import RoutingReplay
-from megatron_acrl.microbatch import MicroBatchPlan, budget_plan, fixed_plan, row_lengths
 
 __all__ = ["ModelTrainer", "initialize_parallel"]
 

@@ -9,7 +9,7 @@ tests exercise the same Megatron code the GPU run uses.
 Rules:
   * Nothing is patched at import. The entry point that builds a model calls :func:`apply` once per
     process, before :func:`~megatron_acrl.megatron.base.initialize_parallel`:
-    ``megatron_acrl.distributed.init_distributed`` (driver, SFT warm start, study runs), the test
+    ``megatron_acrl.world.distributed.init_distributed`` (driver, SFT warm start, study runs), the test
     workers and ``benchmarks/logprob.py``. :func:`require` (called by ``initialize_parallel`` and
     ``model.build_model_chunks``) turns a forgotten call into a clear error instead of a CUDA error
     deep inside Megatron.
@@ -80,7 +80,7 @@ def require() -> None:
         raise RuntimeError(
             "megatron-core needs the CPU/gloo patches on this host without CUDA: call "
             "megatron_acrl.megatron.cpu_compat.apply() once per process before initialize_parallel() "
-            "or building a model (megatron_acrl.distributed.init_distributed does)"
+            "or building a model (megatron_acrl.world.distributed.init_distributed does)"
         )
 
 
@@ -431,7 +431,7 @@ _PR_SET_PDEATHSIG = 1
 def _checkpoint_helper_init(parent_pid: int, die_with_parent: bool) -> None:
     """First thing the checkpoint writer's helper (a spawned ``SyncManager`` server) runs.
 
-    Stop signals are the rank's to act on (:mod:`megatron_acrl.signals`): torchrun's agent and SLURM
+    Stop signals are the rank's to act on (:mod:`megatron_acrl.world.signals`): torchrun's agent and SLURM
     signal the rank's whole process group, and a helper ended by that SIGTERM (the manager ignores
     only SIGINT) takes the rank's checkpoint-on-SIGTERM down with BrokenPipe. Ignored signals stay
     ignored; the helper still ends with the rank: ``multiprocessing``'s finaliser shuts it down at a

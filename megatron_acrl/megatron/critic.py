@@ -114,7 +114,7 @@ class Critic(ModelTrainer):
             ``algorithm.value_clip`` / ``value_coef`` are used).
         pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
         total_steps: optimizer steps of the LR schedule (default as the policy's).
-        loss_fn: the pure value loss (default ``megatron_acrl.losses.value_loss``).
+        loss_fn: the pure value loss (default ``megatron_acrl.algo.losses.value_loss``).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The one adapter between Megatron's pipeline schedule and the pure loss (``megatron_acrl.losses``).
+"""The one adapter between Megatron's pipeline schedule and the pure loss (``megatron_acrl.algo.losses``).
 
 Megatron's contract (megatron-core 0.16, ``pipeline_parallel/schedules.py:forward_step_calc_loss``):
 the last pipeline stage calls ``loss_func(output_tensor)``, which returns
@@ -46,7 +46,7 @@ MicroBatch = dict[str, torch.Tensor]
 ``rollout_logprobs``, ``advantages`` (and optionally ``ref_logprobs``), all ``[b, T]``."""
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""Signature of ``megatron_acrl.losses.rl_loss``."""
+"""Signature of ``megatron_acrl.algo.losses.rl_loss``."""
 
 
 def megatron_loss_scale(
@@ -83,7 +83,7 @@ class LossAdapter:
         chunk_size: tokens per chunk of the fused log-prob (None: sized automatically).
         norm_len: constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO); None uses the config.
         entropy: compute token entropies (needed for ``entropy_coef`` > 0; also logged).
-        loss_fn: the pure loss; default ``megatron_acrl.losses.rl_loss``.
+        loss_fn: the pure loss; default ``megatron_acrl.algo.losses.rl_loss``.
         device: where the trainer's tensors live; None: ``cuda`` when available, else ``cpu`` (as
             the trainer itself decides).
 
@@ -113,7 +113,7 @@ class LossAdapter:
         device: torch.device | str | None = None,
     ) -> None:
         if loss_fn is None:
-            from megatron_acrl.losses import rl_loss
+            from megatron_acrl.algo.losses import rl_loss
 
             loss_fn = rl_loss
         if device is None:
@@ -238,12 +238,12 @@ class ValueLossAdapter:
         clip: PPO value clip range (``algorithm.value_clip``).
         coef: weight of the value loss in the critic's objective (``algorithm.value_coef``); it scales
             the gradient (matters for gradient clipping and Adam's eps), metrics stay unscaled.
-        loss_fn: the pure value loss; default ``megatron_acrl.losses.value_loss``.
+        loss_fn: the pure value loss; default ``megatron_acrl.algo.losses.value_loss``.
     """
 
     def __init__(self, *, clip: float, coef: float = 1.0, loss_fn: LossFn | None = None) -> None:
         if loss_fn is None:
-            from megatron_acrl.losses import value_loss
+            from megatron_acrl.algo.losses import value_loss
 
             loss_fn = value_loss
         self.clip = clip

@@ -51,7 +51,7 @@ class Policy(ModelTrainer):
     Args:
         cfg: the run configuration.
         pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
-        loss_fn: the pure loss (default ``megatron_acrl.losses.rl_loss``).
+        loss_fn: the pure loss (default ``megatron_acrl.algo.losses.rl_loss``).
         total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
             num_minibatches``).
     """
@@ -216,7 +216,7 @@ class Policy(ModelTrainer):
 
     def sequence_logprobs(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Teacher-forced log-probability of each sequence's masked tokens on the policy's weights,
-        at temperature 1 (the exact metric, :mod:`megatron_acrl.evaluate`); all ranks call it.
+        at temperature 1 (the exact metric, :mod:`megatron_acrl.rollout.evaluate`); all ranks call it.
 
         Args:
             tokens: ``[N, L]`` int64, the same on every rank, any N (padded here to whole

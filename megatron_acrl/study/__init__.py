@@ -20,7 +20,8 @@ whose overrides are unchanged is reused (two grids may share their BF16 baseline
 the per-arm mean over seeds drawn with matplotlib from the runs' ``metrics.jsonl``.
 
 An *exact* grid (``kind: exact``, issue #23) judges its arms on the exact metric (``eval/exact_j``
-on the trainer's weights, ``eval/exact_j_served`` on the served copy: :mod:`megatron_acrl.evaluate`)
+on the trainer's weights, ``eval/exact_j_served`` on the served copy:
+:mod:`megatron_acrl.rollout.evaluate`)
 instead of the sampled reward, names the role of each arm in its verdicts, and may name a pilot grid
 whose numbers (kept in an archive beside the report) and the choices made from them go into its
 section. ``make study`` runs the stress + lag grid (docs/study/README.md).

@@ -2,7 +2,7 @@
 
 Validates every grid file (and that a shared arm is the same run in each) before anything runs, runs
 the grids unless ``--report-only``, records the invocation's wall time in ``<out>/study_wall.json``,
-and writes the report. The entry point owns SIGTERM / SIGINT (:mod:`megatron_acrl.signals`): the
+and writes the report. The entry point owns SIGTERM / SIGINT (:mod:`megatron_acrl.world.signals`): the
 first stops the study before its next run (the finished runs are kept and reused by the same command),
 a second stops it at once; either way the study's SGLang servers are stopped.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 
 from megatron_acrl import study
 from megatron_acrl.config import ConfigError
-from megatron_acrl.exit_codes import CONFIG_ERROR
-from megatron_acrl.signals import Interrupted, StopSignals, stop_on_signals
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
 from megatron_acrl.study.grid import Grid, conflicting_arm, load_grid
 from megatron_acrl.study.report import write_report
 from megatron_acrl.study.run import StudyStopped, run_grids
+from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,7 +12,7 @@ its exit code and the tail of its log) and the grid goes on; :func:`run_grids` r
 runs. Each finished run's ``done`` marker holds its wall time and the CPU seconds it cost: the
 trainer's process tree and the server's (the load-independent figure the study is sized by).
 
-Stopping: the study's entry point passes its :class:`~megatron_acrl.signals.StopSignals`; after a
+Stopping: the study's entry point passes its :class:`~megatron_acrl.world.signals.StopSignals`; after a
 first SIGTERM / SIGINT no new run starts, and a run that ends while a stop is requested is not
 marked finished (it may have been stopped with the study, e.g. by the same Ctrl-C).
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_acrl.config import Config
-from megatron_acrl.signals import Interrupted, StopSignals
 from megatron_acrl.study.grid import Grid, grid_groups
+from megatron_acrl.world.signals import Interrupted, StopSignals
 from sglang_bridge.server_key import new_api_key
 
 
@@ -48,7 +48,7 @@ def server_model_dir(grid: Grid) -> str:
     cfg = next(iter(grid.configs.values()))
     if cfg.model.hf_path:
         return cfg.model.hf_path
-    from megatron_acrl.tiny_model import build_checkpoint
+    from megatron_acrl.warmstart.tiny_model import build_checkpoint
 
     return str(build_checkpoint(cfg.model, seed=grid.seeds[0]))
 
@@ -74,7 +74,7 @@ def shared_servers(grid: Grid, log_dir: Path, api_key: str, tag: str = "") -> It
     if not grid.shared_server or cfg.rollout.server_urls or cfg.rollout.backend != "sglang":
         yield {}
         return
-    from megatron_acrl.server_weights import resolve_device
+    from megatron_acrl.servers.transfer import resolve_device
     from sglang_bridge.server import ServerSpec, SGLangServer
 
     model_dir = server_model_dir(grid)
@@ -278,7 +278,7 @@ def run_grids(
         return failed
     # Heavy imports (transformers' lazy modules deadlocked when first imported from several threads
     # at once) and the servers' checkpoints happen here, in the main thread, before the workers.
-    import megatron_acrl.rollout_servers  # noqa: F401
+    import megatron_acrl.servers.handle  # noqa: F401
     import sglang_bridge.server  # noqa: F401
 
     for g in grids:

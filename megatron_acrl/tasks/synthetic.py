@@ -3,7 +3,7 @@
 Each task draws its instances from a seeded generator; the evaluation split is a fixed set of
 instances that never appear in training (split by a hash of the instance; ``heldout_fraction`` 0
 trains on every instance). Addition with one or two digits is *enumerable*: :meth:`AdditionTask.
-exact_prompts` lists every instance, which the exact metric (:mod:`megatron_acrl.evaluate`) scores.
+exact_prompts` lists every instance, which the exact metric (:mod:`megatron_acrl.rollout.evaluate`) scores.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_acrl.config import ModelConfig
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerGroup, ServerSpec, SGLangServer
 from sglang_bridge.weight_sync import DistributedWeightSynchronizer, Manifest
 

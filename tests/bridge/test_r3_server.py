@@ -42,9 +42,9 @@ import pytest
 import torch
 from dist_launch import launch
 
-from megatron_acrl.batch import build_batch
+from megatron_acrl.batch.rollout_batch import build_batch
 from megatron_acrl.config import load_config
-from megatron_acrl.tiny_model import build_checkpoint
+from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.client import SamplingParams, SGLangClient
 from sglang_bridge.server import ServerSpec, SGLangServer
 
@@ -122,7 +122,7 @@ def scored(rollout: tuple[Path, list], moe_ckpt: Path) -> dict:
 
 
 def _gap(rollout: tuple[Path, list], res: dict) -> torch.Tensor:
-    from megatron_acrl.batch import RolloutBatch
+    from megatron_acrl.batch.rollout_batch import RolloutBatch
 
     batch = RolloutBatch.load(rollout[0])
     mask = batch.loss_mask > 0
@@ -195,7 +195,7 @@ def test_misaligned_replay_is_caught(rollout, scored, negative):
 
 
 def test_recorded_rollouts_carry_experts_for_replay(rollout):
-    from megatron_acrl.batch import RolloutBatch
+    from megatron_acrl.batch.rollout_batch import RolloutBatch
 
     batch = RolloutBatch.load(rollout[0])  # what --load-rollouts replays
     assert batch.routed_experts is not None and batch.routed_experts.shape[:2] == batch.tokens.shape

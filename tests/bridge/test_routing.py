@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_acrl.config import load_config
-from megatron_acrl.rollout_servers import RolloutServers
+from megatron_acrl.servers.handle import RolloutServers
 from sglang_bridge.client import SamplingParams, SGLangClient
 from sglang_bridge.fanout import fan_out
 from sglang_bridge.router import POLICIES, RouterError, RouterSpec
@@ -198,7 +198,7 @@ def test_the_router_times_requests_by_its_own_knob() -> None:
     from sglang_router.router_args import RouterArgs
 
     from megatron_acrl.config import RolloutConfig
-    from megatron_acrl.rollout_servers import router_spec
+    from megatron_acrl.servers.handle import router_spec
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     spec = router_spec(RolloutConfig(request_timeout_s=60.0, router_timeout_s=3600.0), urls, "k")

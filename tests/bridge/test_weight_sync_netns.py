@@ -32,7 +32,7 @@ import torch
 from bridge_helpers import PROMPTS, hf_logprobs, hf_named_tensors, load_hf
 
 from megatron_acrl.config import Config
-from megatron_acrl.rollout_servers import RolloutServers
+from megatron_acrl.servers.handle import RolloutServers
 from sglang_bridge.server_key import KeyFile, new_api_key
 from sglang_bridge.server_spec import ServerSpec
 from sglang_bridge.weight_sync import Manifest

@@ -7,7 +7,7 @@
 * ``driver.pt`` -- rank 0's driver state: RL step, weight version, data position (prompts
   consumed), Python and torch RNG states, W&B run id;
 * ``served_weights.pt`` / ``.json`` -- with ``rollout.weight_lag_steps`` > 0, the lagged weight sets
-  the servers serve from (:mod:`megatron_acrl.served_weights`), so a resume serves exactly them.
+  the servers serve from (:mod:`megatron_acrl.servers.publisher`), so a resume serves exactly them.
 
 * ``manifest.json`` -- size and CRC-32 of every file above (:mod:`megatron_acrl.megatron.step_manifest`).
 
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
+from megatron_acrl.batch.staleness import parse_version
 from megatron_acrl.config import Config, ConfigError, config_to_dict
-from megatron_acrl.context import RunContext, prompt_stream
-from megatron_acrl.distributed import broadcast_object, log0
-from megatron_acrl.served_weights import ServedWeights, check_resumable
-from megatron_acrl.staleness import parse_version
+from megatron_acrl.run.context import RunContext, prompt_stream
+from megatron_acrl.servers.publisher import ServedWeights, check_resumable
+from megatron_acrl.world.distributed import broadcast_object, log0
 
 
 @dataclass
@@ -47,7 +47,7 @@ class DriverState:
     wandb_id: str | None = None
     producer: dict[str, Any] | None = None
     """The async producer's position: ``next_gid`` and the ``pending`` groups ([gid, text, answer,
-    uid]) admitted but not trained, which a resume generates again (:mod:`megatron_acrl.producer`)."""
+    uid]) admitted but not trained, which a resume generates again (:mod:`megatron_acrl.rollout.producer`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.weight_version, str):  # checkpoints before integer versions: "step-<v>"

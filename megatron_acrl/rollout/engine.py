@@ -1,7 +1,7 @@
 """The async producer's engine on rank 0: a thread with its own event loop that keeps the servers
 generating while the trainer trains.
 
-It admits prompts as the staleness bound allows (:class:`~megatron_acrl.group_queue.GroupQueue`),
+It admits prompts as the staleness bound allows (:class:`~megatron_acrl.rollout.group_queue.GroupQueue`),
 sends their samples to the servers in batched ``/generate`` requests (the least loaded server
 first), scores each group as its last sample returns and hands it to the queue, from which the
 trainer's thread takes a step's batch (:meth:`GenerationEngine.wait_batch`). Requests keep running
@@ -29,16 +29,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from megatron_acrl.advantages import dynamic_sampling_keep
+from megatron_acrl.algo.advantages import dynamic_sampling_keep
 from megatron_acrl.config import ConfigError
-from megatron_acrl.group_queue import GroupQueue
-from megatron_acrl.rollout import encode_prompts, score_groups, shape_rewards
-from megatron_acrl.rollout_servers import routed_experts_topk
+from megatron_acrl.rollout.group_queue import GroupQueue
+from megatron_acrl.rollout.phase import encode_prompts, score_groups, shape_rewards
+from megatron_acrl.servers.handle import routed_experts_topk
 from megatron_acrl.tasks.base import Prompt
 from sglang_bridge.client import Sample, ServerGoneError, SGLangClient
 
 if TYPE_CHECKING:
-    from megatron_acrl.context import RunContext
+    from megatron_acrl.run.context import RunContext
 
 MAX_ABORTS = 10
 """A sample the servers abort this often in a row is an error, not a weight update."""

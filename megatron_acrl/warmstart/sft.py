@@ -67,7 +67,7 @@ def sft_warmstart(
     cfg: Config, base_dir: str | Path, cache_root: str | Path, tokenizer: Any, log: Any = print
 ) -> Path:
     """Run (or reuse) the warm-start; every trainer rank calls it. Returns the checkpoint directory."""
-    from megatron_acrl.losses import sft_loss
+    from megatron_acrl.algo.losses import sft_loss
     from megatron_acrl.megatron.policy import Policy
 
     out = Path(cache_root) / f"sft-{sft_cache_key(cfg, base_dir)}"

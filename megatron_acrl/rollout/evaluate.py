@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_acrl.batch import RolloutBatch
+from megatron_acrl.batch.rollout_batch import RolloutBatch
 from megatron_acrl.logging import read_jsonl_metrics
-from megatron_acrl.rollout import encode_prompts, score_groups
+from megatron_acrl.rollout.phase import encode_prompts, score_groups
 from megatron_acrl.tasks.base import Prompt, Task
 
 if TYPE_CHECKING:
-    from megatron_acrl.context import RunContext
+    from megatron_acrl.run.context import RunContext
 
 
 def evaluate(
@@ -41,7 +41,7 @@ def evaluate(
     reward on fixed training prompts (``eval/sampled_reward``). With ``training.eval_trainer_weights``
     the same again on the trainer's unquantized weights (``eval_trainer/*``), after which the
     rollout's copy (``version``) is pushed back, by ``restore`` when given (the served weights may
-    lag the policy's: :mod:`megatron_acrl.served_weights`). Every rank calls this (the pushes are
+    lag the policy's: :mod:`megatron_acrl.servers.publisher`). Every rank calls this (the pushes are
     collective); rank 0 evaluates, the others get {}."""
     m = _evaluate_served(ctx, "eval")
     if ctx.cfg.training.eval_trainer_weights:

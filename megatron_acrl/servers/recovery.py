@@ -1,10 +1,10 @@
 """What rank 0 does when its rollout servers fail: restart dead ones, kill and replace hung ones,
 reconnect the update group (:class:`ServerRecovery`, the failure half of
-:class:`megatron_acrl.rollout_servers.RolloutServers`).
+:class:`megatron_acrl.servers.handle.RolloutServers`).
 
-A failed weight sync names what it calls for (:func:`megatron_acrl.server_weights.recovery`), and
+A failed weight sync names what it calls for (:func:`megatron_acrl.servers.transfer.recovery`), and
 :meth:`ServerRecovery.recover` does it; the driver then re-sends the full weights
-(:meth:`megatron_acrl.context.RunContext.push_weights`). Three kinds:
+(:meth:`megatron_acrl.run.context.RunContext.push_weights`). Three kinds:
 
 * a server died (:data:`RESTART`): a fresh one from the served model directory, a new update group;
 * a server timed out (:data:`HUNG`): one whose process runs but that answers no health request, or
@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.config import Config
-from megatron_acrl.server_weights import HUNG, RESTART
+from megatron_acrl.servers.transfer import HUNG, RESTART
 from sglang_bridge.client import ServerGoneError
 from sglang_bridge.server import SGLangServer, probe
 

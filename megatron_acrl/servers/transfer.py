@@ -3,7 +3,7 @@ served copy, the trainer's HF tensors cast (and stress-quantized) as the servers
 servers dial a rank's weight-sync stores, a non-zero rank's weight source, and what a failed sync
 calls for.
 
-Rank 0's :class:`megatron_acrl.rollout_servers.RolloutServers` owns the servers and the update's
+Rank 0's :class:`megatron_acrl.servers.handle.RolloutServers` owns the servers and the update's
 lifecycle; every other source rank uses only this module (``rollout.weight_sync: per_source``).
 """
 
@@ -188,7 +188,7 @@ RECONNECT = "reconnect the synchronizer"
 def recovery(error: BaseException, servers_dead: bool) -> str | None:
     """What a weight sync that failed on rank 0 with ``error`` calls for: :data:`RESTART` (a server
     died: ``servers_dead``), :data:`HUNG` (a server did not answer in time: kill and replace the
-    hung ones, :mod:`megatron_acrl.server_recovery`), :data:`RECONNECT` (a failed source or a broken
+    hung ones, :mod:`megatron_acrl.servers.recovery`), :data:`RECONNECT` (a failed source or a broken
     group: new update groups), or None (bad input: a retry would fail the same way)."""
     if isinstance(error, ServerGoneError) or servers_dead:
         return RESTART

@@ -15,7 +15,7 @@ and probes what it will write:
 * ``logging.wandb_mode: online`` against the W&B credentials.
 
 Every problem found is reported at once, as a :class:`ConfigError` naming the key (or file:line)
-and the fix; ``main`` prints it and exits 2 (:data:`megatron_acrl.exit_codes.CONFIG_ERROR`).
+and the fix; ``main`` prints it and exits 2 (:data:`megatron_acrl.config.exit_codes.CONFIG_ERROR`).
 Every rank runs it (the same inputs, the same verdict), so no rank starts alone.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_acrl.config import Config, ConfigError
-from megatron_acrl.context import resolve_checkpoint_dir, run_directory
+from megatron_acrl.run.context import resolve_checkpoint_dir, run_directory
 from megatron_acrl.tasks import Task, make_task
 
 __all__ = ["check_directories", "check_servers", "check_wandb", "preflight", "resolve_checkpoint_dir"]
@@ -124,7 +124,7 @@ def load_tokenizer(cfg: Config) -> tuple[Any, str]:
 
     path = cfg.model.tokenizer_path or cfg.model.hf_path
     if path is None:
-        from megatron_acrl.tiny_model import build_tokenizer, tiny_tokenizer_vocab
+        from megatron_acrl.warmstart.tiny_model import build_tokenizer, tiny_tokenizer_vocab
 
         path = str(build_tokenizer(tiny_tokenizer_vocab(cfg.model)))  # the one the checkpoint carries
     return AutoTokenizer.from_pretrained(str(path)), str(path)
@@ -185,8 +185,8 @@ def _check_prompt_lengths(cfg: Config, task: Task, tok: Any) -> Errors:
 def check_servers(cfg: Config) -> Errors:
     """What the servers the driver starts (or is given) need here: their cores, their key, FP8 on
     their device."""
-    from megatron_acrl.rollout_servers import run_api_key
-    from megatron_acrl.server_weights import check_fp8_mode, resolve_device, resolve_fp8_mode
+    from megatron_acrl.servers.handle import run_api_key
+    from megatron_acrl.servers.transfer import check_fp8_mode, resolve_device, resolve_fp8_mode
     from sglang_bridge.server_spec import host_cores
 
     errors: Errors = []

@@ -1,9 +1,9 @@
 """What the rollout servers serve: the policy's weights of ``rollout.weight_lag_steps`` (L) steps ago.
 
-Version v is the policy after v RL steps (:mod:`megatron_acrl.staleness`). After step t's update the
+Version v is the policy after v RL steps (:mod:`megatron_acrl.batch.staleness`). After step t's update the
 trainer holds version t + 1 and :meth:`ServedWeights.publish` makes the servers serve version
 ``max(0, t + 1 - L)``: with L = 0 the policy's weights as they are (every rank walks the HF stream,
-rank 0 sends; :meth:`~megatron_acrl.context.RunContext.push_weights`); with L > 0 rank 0 keeps host
+rank 0 sends; :meth:`~megatron_acrl.run.context.RunContext.push_weights`); with L > 0 rank 0 keeps host
 copies of the versions from the served one up to the trainer's (at most L + 1 sets of HF-named
 tensors, in the dtype the stream yields: (L + 1) x the model's bf16 size on rank 0's host) and pushes
 the lagged set from them. A study dials the drift exactly this way, in sync or async mode.
@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from megatron_acrl.batch.staleness import format_version
 from megatron_acrl.config import Config, ConfigError
-from megatron_acrl.staleness import format_version
-
-if TYPE_CHECKING:
-    from megatron_acrl.context import RunContext
 
 WEIGHTS_FILE = "served_weights.pt"
 INDEX_FILE = "served_weights.json"
@@ -72,7 +69,7 @@ class ServedWeights:
     Every rank holds one and calls every method (the stream walks are collectives); the weight
     sets live on rank 0 only."""
 
-    def __init__(self, ctx: RunContext, lag: int):
+    def __init__(self, ctx: Any, lag: int):
         self.ctx = ctx
         self.lag = lag
         self.version = 0
@@ -98,7 +95,7 @@ class ServedWeights:
 
     def publish(self, trainer_version: int) -> dict[str, float]:
         """After an update to ``trainer_version``: serve ``max(0, trainer_version - L)``. A push that
-        fails after a stop was asked raises :class:`~megatron_acrl.context.StoppedWithoutServers`;
+        fails after a stop was asked raises :class:`~megatron_acrl.run.context.StoppedWithoutServers`;
         :attr:`version` and the sets are already what a checkpoint should hold (a resume pushes them)."""
         if not self.lag:
             self.version = trainer_version

@@ -8,7 +8,7 @@ Data contract (DESIGN.md): ``tokens [N, L]`` (prompt + response, right-padded), 
 to, -1 where there is no routing (each sequence's last token, which the engine never fed through the
 model, and padding). Aligned with ``tokens``, not with the log-probs: the routing of position t-1
 produced the distribution of token t. ``token_versions [N, L]`` int64: the weight version each
-response token was sampled with (:mod:`megatron_acrl.staleness`; a request paused across a weight
+response token was sampled with (:mod:`megatron_acrl.batch.staleness`; a request paused across a weight
 update carries two), -1 on prompt and padding positions; None in recordings made before it existed.
 
 The train batch adds ``old_logprobs [N, L]`` (pi_old), optional ``ref_logprobs``, ``advantages

@@ -4,14 +4,14 @@ Every rank holds one and calls each method (what the servers need goes through r
 
 * :meth:`~Producer.next_batch` -- the step's rollout batch on every rank;
 * :meth:`~Producer.publish` -- after the update: the servers serve the new version (or, with
-  ``rollout.weight_lag_steps``, the lagged one: :class:`~megatron_acrl.served_weights.ServedWeights`);
+  ``rollout.weight_lag_steps``, the lagged one: :class:`~megatron_acrl.servers.publisher.ServedWeights`);
 * :meth:`~Producer.evaluate` -- an evaluation of the served policy;
 * :meth:`~Producer.step_metrics` -- ``time/trainer_idle``, ``time/server_idle`` and the queue;
 * :meth:`~Producer.save_checkpoint` -- a checkpoint of the run with the producer's position.
 
 :class:`SyncProducer` generates the step's batch when asked (``rollout.mode: sync``, today's loop
 and its exact resume). :class:`AsyncProducer` (``mode: async``) takes a finished batch from rank 0's
-:class:`~megatron_acrl.generation.GenerationEngine`, which keeps the servers generating within
+:class:`~megatron_acrl.rollout.engine.GenerationEngine`, which keeps the servers generating within
 ``rollout.max_staleness`` while the trainer trains; weight updates pause and continue the
 requests in flight (partial rollouts). On resume, the groups it had admitted but not trained are
 generated again, first, with the same group ids (docs/async.md).
@@ -24,20 +24,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_acrl.batch import RolloutBatch, save_rollouts
-from megatron_acrl.context import StoppedWithoutServers
-from megatron_acrl.distributed import broadcast_object, log0
-from megatron_acrl.evaluate import evaluate, evaluate_exact, exact_due
-from megatron_acrl.generation import GenerationEngine, PromptSource
-from megatron_acrl.group_queue import GroupQueue
-from megatron_acrl.resume import DriverState, save_checkpoint
-from megatron_acrl.rollout import ATTEMPTS, collect_rollouts, rollout_metrics, stopped_message
-from megatron_acrl.served_weights import ServedWeights
-from megatron_acrl.staleness import format_version
+from megatron_acrl.batch.rollout_batch import RolloutBatch, save_rollouts
+from megatron_acrl.batch.staleness import format_version
+from megatron_acrl.rollout.engine import GenerationEngine, PromptSource
+from megatron_acrl.rollout.evaluate import evaluate, evaluate_exact, exact_due
+from megatron_acrl.rollout.group_queue import GroupQueue
+from megatron_acrl.rollout.phase import ATTEMPTS, collect_rollouts, rollout_metrics, stopped_message
+from megatron_acrl.run.context import StoppedWithoutServers
+from megatron_acrl.run.resume import DriverState, save_checkpoint
+from megatron_acrl.servers.publisher import ServedWeights
 from megatron_acrl.tasks.base import Prompt
+from megatron_acrl.world.distributed import broadcast_object, log0
 
 if TYPE_CHECKING:
-    from megatron_acrl.context import RunContext
+    from megatron_acrl.run.context import RunContext
 
 
 class Producer:
@@ -89,7 +89,7 @@ class Producer:
 
     def save_checkpoint(self, state: DriverState) -> Path | None:
         """Every rank: checkpoint the run at ``state.step``, with the producer's position and the
-        served weight sets (:func:`megatron_acrl.resume.save_checkpoint`)."""
+        served weight sets (:func:`megatron_acrl.run.resume.save_checkpoint`)."""
         self.checkpoint_into(state)
         return save_checkpoint(self.ctx, state, self.served)
 
@@ -98,7 +98,7 @@ class Producer:
 
 
 class SyncProducer(Producer):
-    """Generate the step's batch when the loop asks (:func:`megatron_acrl.rollout.collect_rollouts`)."""
+    """Generate the step's batch when the loop asks (:func:`megatron_acrl.rollout.phase.collect_rollouts`)."""
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         t = time.perf_counter()

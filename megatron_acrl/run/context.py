@@ -1,10 +1,10 @@
 """Everything a run holds, and how it is built: the policy (and critic), the servers, the task, the logger.
 
 :func:`setup_run` builds a :class:`RunContext` on every rank: it initialises the trainer world
-(:mod:`megatron_acrl.distributed`), builds the tiny local model when no ``model.hf_path`` is given,
+(:mod:`megatron_acrl.world.distributed`), builds the tiny local model when no ``model.hf_path`` is given,
 runs the supervised warm-start if asked, loads the weights into the Megatron policy (and the PPO
 critic), checks that a rollout batch splits evenly over the layout, and on rank 0 opens the prompt
-stream and starts the rollout servers (:class:`megatron_acrl.rollout_servers.RolloutServers`).
+stream and starts the rollout servers (:class:`megatron_acrl.servers.handle.RolloutServers`).
 :meth:`RunContext.push_weights` is the one way the policy's weights reach the servers. The run
 directory is 0700; the servers' key lives in :class:`RolloutServers` (rank 0) and nowhere else.
 """
@@ -25,14 +25,14 @@ import yaml
 from torch import Tensor
 
 from megatron_acrl.config import Config, ConfigError, config_to_dict
-from megatron_acrl.distributed import broadcast_object, init_distributed, log0
 from megatron_acrl.logging import RunLogger
 from megatron_acrl.tasks import Prompt, Task, make_task
+from megatron_acrl.world.distributed import broadcast_object, init_distributed, log0
 
 if TYPE_CHECKING:
     from megatron_acrl.megatron.critic import Critic
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.rollout_servers import RolloutServers
+    from megatron_acrl.servers.handle import RolloutServers
     from sglang_bridge.weight_sync import WeightSource
 
 
@@ -97,17 +97,17 @@ class RunContext:
         in it are collectives): per source, each stage's and EP rank's source sends its own part
         while rank 0 runs the update's lifecycle; with ``rollout.weight_sync: rank0``, every stage is
         broadcast to rank 0, which sends it all. ``weights``: rank 0's stored HF-named weights to
-        push instead (the lag buffer, :mod:`megatron_acrl.served_weights`); then no rank walks the
+        push instead (the lag buffer, :mod:`megatron_acrl.servers.publisher`); then no rank walks the
         stream, rank 0 sends the whole set (the config allows a lag only with one source), and every
         rank passes a value (the others' is ignored).
 
         A failed sync restarts dead servers, kills and replaces hung ones (a timeout), or reconnects
         the synchronizer (a failed source), and tries again, twice
-        (:mod:`megatron_acrl.server_recovery`); rank 0 decides for every rank. With ``stoppable`` (the
+        (:mod:`megatron_acrl.servers.recovery`); rank 0 decides for every rank. With ``stoppable`` (the
         loop's publish), a sync that fails after a stop was asked raises :class:`StoppedWithoutServers`
         on every rank instead of a recovery.
         """
-        from megatron_acrl.server_weights import push_from_source, recovery
+        from megatron_acrl.servers.transfer import push_from_source, recovery
 
         per_source = self.cfg.rollout.weight_sync == "per_source"
         for attempt in range(3):
@@ -207,7 +207,7 @@ def model_directory(cfg: Config, rank: int) -> Path:
     """``model.hf_path`` or the locally built tiny checkpoint (rank 0 builds, the others wait)."""
     if cfg.model.hf_path:
         return Path(cfg.model.hf_path)
-    from megatron_acrl.tiny_model import build_checkpoint
+    from megatron_acrl.warmstart.tiny_model import build_checkpoint
 
     if rank == 0:
         build_checkpoint(cfg.model, seed=cfg.training.seed)
@@ -275,7 +275,7 @@ def setup_run(
     rank, world = init_distributed(cfg)
     run_dir = run_directory(cfg, args)
     if rank == 0 and not args.load_rollouts:
-        from megatron_acrl.rollout_servers import check_ports
+        from megatron_acrl.servers.handle import check_ports
 
         check_ports(cfg)  # another process's server on our port: refuse now, before any model is built
     if rank == 0:
@@ -286,8 +286,8 @@ def setup_run(
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_path or model_dir))
     task = make_task(cfg.task)
     if cfg.training.sft_steps > 0:
-        from megatron_acrl.sft import sft_warmstart
-        from megatron_acrl.tiny_model import default_cache_dir
+        from megatron_acrl.warmstart.sft import sft_warmstart
+        from megatron_acrl.warmstart.tiny_model import default_cache_dir
 
         # Tiny local models share one cache (every arm of a study reuses the warm start).
         cache = default_cache_dir() / "sft" if cfg.model.hf_path is None else run_dir / "sft"
@@ -312,7 +312,7 @@ def setup_run(
     if rank == 0:
         ctx.prompt_stream = prompt_stream(task, cfg.training.seed)
         if not args.load_rollouts:
-            from megatron_acrl.rollout_servers import RolloutServers
+            from megatron_acrl.servers.handle import RolloutServers
 
             log0(
                 f"starting {cfg.rollout.num_servers if not cfg.rollout.server_urls else 'external'} "
@@ -341,7 +341,7 @@ def attach_weight_source(ctx: RunContext, single_node: bool) -> None:
     control = broadcast_object(servers.control.address if servers and servers.control else None)
     source = ctx.policy.sync_source
     if control is not None and ctx.rank != 0 and source is not None:
-        from megatron_acrl.server_weights import open_weight_source, sync_address
+        from megatron_acrl.servers.transfer import open_weight_source, sync_address
 
         address = sync_address(ctx.cfg, single_node)
         ctx.weight_source = open_weight_source(ctx.cfg, tuple(control), source.index, source.label, address)

@@ -1,9 +1,9 @@
 """The driver's rollout phase: prompts -> n samples each from the servers -> rewards -> a batch.
 
-Rank 0 draws prompts, generates through :class:`megatron_acrl.rollout_servers.RolloutServers`,
-scores and packs them into a :class:`megatron_acrl.batch.RolloutBatch` (or replays a recorded one,
-``--load-rollouts``), and :func:`collect_rollouts` broadcasts it to every rank. DAPO dynamic
-sampling drops groups whose rewards are all equal and refills them with fresh prompts. A server
+Rank 0 draws prompts, generates through :class:`megatron_acrl.servers.handle.RolloutServers`,
+scores and packs them into a :class:`megatron_acrl.batch.rollout_batch.RolloutBatch` (or replays a
+recorded one, ``--load-rollouts``), and :func:`collect_rollouts` broadcasts it to every rank. DAPO
+dynamic sampling drops groups whose rewards are all equal and refills them with fresh prompts. A server
 that dies mid-rollout is restarted and the step retried with the same prompts.
 """
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_acrl.advantages import dynamic_sampling_keep, overlong_penalty
-from megatron_acrl.batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
-from megatron_acrl.context import StoppedWithoutServers, prompt_stream
-from megatron_acrl.distributed import broadcast_object, log0
-from megatron_acrl.staleness import token_versions
+from megatron_acrl.algo.advantages import dynamic_sampling_keep, overlong_penalty
+from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
+from megatron_acrl.batch.staleness import token_versions
+from megatron_acrl.run.context import StoppedWithoutServers, prompt_stream
 from megatron_acrl.tasks.base import Prompt, Task
+from megatron_acrl.world.distributed import broadcast_object, log0
 from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
-    from megatron_acrl.context import RunContext
-    from megatron_acrl.resume import DriverState
+    from megatron_acrl.run.context import RunContext
+    from megatron_acrl.run.resume import DriverState
 
 ATTEMPTS = 3
 """Rollouts of one step tried at most this often (a dead server is restarted in between)."""
@@ -236,7 +236,7 @@ def collect_rollouts(
     A server that dies mid-generation is restarted, the served weights re-sent (``restore``, on
     every rank), and the step retried with the same prompts; nothing is lost and nothing is trained
     twice. Once a stop was asked (:attr:`RunContext.stopping`, rank 0), a failed try raises
-    :class:`~megatron_acrl.context.StoppedWithoutServers` on every rank instead.
+    :class:`~megatron_acrl.run.context.StoppedWithoutServers` on every rank instead.
     """
     for attempt in range(ATTEMPTS):
         status: tuple[str, Any] = ("", None)

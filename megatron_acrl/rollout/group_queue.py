@@ -1,8 +1,8 @@
 """The async producer's bookkeeping: which prompt groups are live, when each must be trained, and
 which finished ones the next step takes. Pure Python (no threads, no servers); the generation engine
-(:mod:`megatron_acrl.generation`) drives it under a lock.
+(:mod:`megatron_acrl.rollout.engine`) drives it under a lock.
 
-Versions are integers (:mod:`megatron_acrl.staleness`). A group admitted while the servers serve
+Versions are integers (:mod:`megatron_acrl.batch.staleness`). A group admitted while the servers serve
 version ``a`` has every token at version >= ``a``, so it may be trained up to step ``a + K``: its
 *deadline* (K = ``rollout.max_staleness``). With ``stale_policy: wait`` the queue admits a group
 only when the steps up to its deadline can still take every live group by its own deadline:
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_acrl.batch import RolloutBatch
+from megatron_acrl.batch.rollout_batch import RolloutBatch
 from megatron_acrl.tasks.base import Prompt
 
 

@@ -17,8 +17,9 @@ synchronizer coordinates them over a control store it hosts (:attr:`RolloutServe
 A server that dies is restarted from the served model directory and the update group reconnected
 (:meth:`RolloutServers.restart`); one that hangs during a weight sync (a timeout, and no answer to a
 health request, or stopped) has its process tree killed and is replaced the same way
-(:mod:`megatron_acrl.server_recovery`); the driver then re-sends the current weights and retries
-(:meth:`megatron_acrl.context.RunContext.push_weights`, :func:`megatron_acrl.rollout.collect_rollouts`).
+(:mod:`megatron_acrl.servers.recovery`); the driver then re-sends the current weights and retries
+(:meth:`megatron_acrl.run.context.RunContext.push_weights`,
+:func:`megatron_acrl.rollout.phase.collect_rollouts`).
 
 A run owns what it starts: its servers and its clients hold one key (:func:`run_api_key`: the one
 ``rollout.api_key_env`` names, else a random one made at start and held in memory only), exposed as
@@ -47,8 +48,8 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import Config, ConfigError, RolloutConfig
-from megatron_acrl.server_recovery import ServerRecovery
-from megatron_acrl.server_weights import (
+from megatron_acrl.servers.recovery import ServerRecovery
+from megatron_acrl.servers.transfer import (
     Meta,
     check_fp8_mode,
     fp8_scheme,
@@ -169,7 +170,7 @@ def router_spec(r: RolloutConfig, urls: Sequence[str], api_key: str | None) -> R
 
 class RolloutServers(ServerRecovery):
     """SGLang servers + clients + weight synchronizer, owned by the driver's rank 0; what it does
-    when they fail is :class:`~megatron_acrl.server_recovery.ServerRecovery`'s.
+    when they fail is :class:`~megatron_acrl.servers.recovery.ServerRecovery`'s.
 
     Args:
         cfg: run config.
