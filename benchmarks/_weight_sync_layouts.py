@@ -1,6 +1,6 @@
 """The ``--layout`` part of ``benchmarks/weight_sync.py``: real Megatron layouts on gloo (torchrun,
 one process per rank) pushing the same weights into a real SGLang CPU server through the driver's
-own path (``RunContext.push_weights``), today's rank-0 path and the per-source path alternating.
+own path (``WeightPublisher.push``), today's rank-0 path and the per-source path alternating.
 
 * rank-0 path (``rollout.weight_sync: rank0``): every stage is broadcast over the pipeline group (and
   experts all-gathered over EP) to every rank; global rank 0 sends the whole model;
@@ -122,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.run.context import RunContext, attach_weight_source
+    from megatron_acrl.run.context import RunContext, attach_publisher
     from megatron_acrl.servers.handle import RolloutServers
     from megatron_acrl.world.distributed import init_distributed
 
@@ -146,17 +146,17 @@ def worker(args: argparse.Namespace) -> None:
             cfg, argparse.Namespace(), rank, world, work, Path(args.server_ckpt), None, None, policy
         )
         ctx.servers = servers
-        attach_weight_source(ctx, True)
+        attach_publisher(ctx, True)
         ctxs[p] = ctx
     res: dict[str, Any] = {"times": {p: [] for p in PATHS}, "ranks": world, "metrics": {}}
     for p in PATHS:  # warm-up: groups formed, buffers allocated
-        ctxs[p].push_weights(f"warmup-{p}")
+        ctxs[p].publisher.push(f"warmup-{p}")
     for i in range(args.reps):
         for p in PATHS if i % 2 == 0 else PATHS[::-1]:
             received[0] = 0
             dist.barrier()
             t0 = time.perf_counter()
-            m = ctxs[p].push_weights(f"{p}-{i}")
+            m = ctxs[p].publisher.push(f"{p}-{i}")
             res["times"][p].append(time.perf_counter() - t0)
             res["metrics"][p] = m
             if p == "rank0":

@@ -35,11 +35,12 @@ from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.logging import thread_clock
 from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
 from megatron_acrl.rollout.producer import Producer, make_producer
-from megatron_acrl.run.context import RunContext, StoppedWithoutServers, setup_run
+from megatron_acrl.run.context import RunContext, setup_run
 from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.run.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
 from megatron_acrl.world.distributed import any_rank, log0
 from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
+from megatron_acrl.world.vote import StoppedWithoutServers
 from sglang_bridge.server import ServersNotReady
 
 

@@ -4,7 +4,7 @@
     python tests/sync_worker.py <scenario> '<json args>' <out_dir>     (RANK/WORLD_SIZE/MASTER_* set)
 
 ``layouts``: per case, a Policy of the layout loads the case's weights and pushes them through the
-driver's own path (``RunContext.push_weights``: per source, or rank 0 alone); the server's log-probs
+driver's own path (``WeightPublisher.push``: per source, or rank 0 alone); the server's log-probs
 on fixed prompts are then compared with the trainer's own (Megatron) log-probs of the same tokens.
 Then the same server reloads the case's weights from disk, through SGLang's own loader, and scores
 the same tokens again: the two must be equal bit for bit, whatever the layout (the log-probs of
@@ -224,7 +224,7 @@ def _recording(fn: Any, failures: list[str]) -> Any:
 def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt: str) -> dict[str, Any]:
     from megatron_acrl.megatron.base import initialize_parallel
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.run.context import RunContext, attach_weight_source
+    from megatron_acrl.run.context import RunContext, attach_publisher
     from megatron_acrl.servers.handle import RolloutServers
 
     cfg = case_config(case, url)
@@ -243,7 +243,7 @@ def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt
             cfg, argparse.Namespace(), rank, world, Path(run_dir), Path(ckpt), None, None, trainer
         )
         ctx.servers = servers
-        attach_weight_source(ctx, True)
+        attach_publisher(ctx, True)
         if case.get("before"):
             out["before"] = trainer_delta(trainer, url, rank)
         _sabotage(trainer, case)
@@ -255,11 +255,11 @@ def run_case(case: dict[str, Any], url: str, base: dict[str, torch.Tensor], ckpt
             peak_rss_reset()
             rss0 = _status("VmRSS")
             try:
-                out["metrics"] = ctx.push_weights(version)
+                out["metrics"] = ctx.publisher.push(version)
             except RuntimeError as e:
                 out["error"] = str(e)
             out["peak_first" if version.endswith("-first") else "peak_extra"] = _status("VmHWM") - rss0
-        sync = ctx.servers.synchronizer if ctx.servers else ctx.weight_source
+        sync = ctx.servers.synchronizer if ctx.servers else ctx.publisher.source
         out["buffers"] = sync._send_buffers.nbytes if sync is not None else 0
         out["largest"] = largest_gathered(trainer)
         out["after"] = trainer_delta(trainer, url, rank)

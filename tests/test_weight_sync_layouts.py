@@ -2,7 +2,7 @@
 launch (``tests/sync_worker.py``): the dense ``qwen3`` and the ``moe`` model of
 ``tests/mcore_worker.py`` in bf16, each served by its own CPU server.
 
-After each push through the driver's own path (``RunContext.push_weights``), under TP=2, PP=2, EP=2
+After each push through the driver's own path (``WeightPublisher.push``), under TP=2, PP=2, EP=2
 and PP=2 x EP=2, bf16 and FP8 fake-quant alike (the trainer then holds weights on the FP8 grid, so
 its log-probs are what the server must reproduce):
 

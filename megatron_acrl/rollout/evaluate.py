@@ -48,9 +48,10 @@ def evaluate(
         if ctx.cfg.rollout.quantization == "none":  # the served weights are the trainer's
             m.update({"eval_trainer/" + k.split("/", 1)[1]: v for k, v in m.items()})
         else:
-            ctx.push_weights(f"{version}+unquantized", quantize=False)
+            assert ctx.publisher is not None
+            ctx.publisher.push(f"{version}+unquantized", quantize=False)
             m.update(_evaluate_served(ctx, "eval_trainer"))
-            restore() if restore is not None else ctx.push_weights(version)
+            restore() if restore is not None else ctx.publisher.push(version)
     return m
 
 

@@ -17,9 +17,10 @@ import torch
 from megatron_acrl.algo.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
 from megatron_acrl.batch.staleness import token_versions
-from megatron_acrl.run.context import StoppedWithoutServers, prompt_stream
+from megatron_acrl.run.context import prompt_stream
 from megatron_acrl.tasks.base import Prompt, Task
-from megatron_acrl.world.distributed import broadcast_object, log0
+from megatron_acrl.world.distributed import log0
+from megatron_acrl.world.vote import ERROR, NO_VERDICT, OK, RETRY, STOPPED, Verdict, vote
 from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
@@ -204,28 +205,28 @@ def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
     return batch, {"rollout/refill_rounds": float(rounds - 1), **ctx.servers.load_metrics()}
 
 
-def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> tuple[str, Any]:
-    """Rank 0: one try at the step's rollouts, as ``("ok", (batch, metrics))``, ``("retry", why)``
-    after a server died (restarted, the prompts of the try given back), ``("stopped", why)`` when it
+def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> Verdict:
+    """Rank 0: one try at the step's rollouts, as ``(OK, (batch, metrics))``, ``(RETRY, why)``
+    after a server died (restarted, the prompts of the try given back), ``(STOPPED, why)`` when it
     failed after a stop was asked (:attr:`RunContext.stopping`; the prompts given back, nothing
-    restarted), or ``("error", why)``."""
+    restarted), or ``(ERROR, why)`` (:mod:`megatron_acrl.world.vote`)."""
     consumed = state.prompts_consumed
     try:
-        return "ok", _rank0_rollouts(ctx, state, step)
+        return OK, _rank0_rollouts(ctx, state, step)
     except Exception as e:  # noqa: BLE001 - decided here, then told to every rank
         why = f"{type(e).__name__}: {e}"
         gone = isinstance(e, ServerGoneError) or (ctx.servers is not None and ctx.servers.dead_servers())
         stopped = ctx.stopping()
         if not stopped and (not gone or last):
-            return "error", why
+            return ERROR, why
         # the prompts of the try go back: a retry, or the resume, samples them again
         state.prompts_consumed = consumed
         ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, consumed)
         if stopped:
-            return "stopped", why
+            return STOPPED, why
         assert ctx.servers is not None
         ctx.servers.restart()
-        return "retry", why
+        return RETRY, why
 
 
 def collect_rollouts(
@@ -236,26 +237,25 @@ def collect_rollouts(
     A server that dies mid-generation is restarted, the served weights re-sent (``restore``, on
     every rank), and the step retried with the same prompts; nothing is lost and nothing is trained
     twice. Once a stop was asked (:attr:`RunContext.stopping`, rank 0), a failed try raises
-    :class:`~megatron_acrl.run.context.StoppedWithoutServers` on every rank instead.
+    :class:`~megatron_acrl.world.vote.StoppedWithoutServers` on every rank instead (rank 0 decides
+    for every rank: :func:`megatron_acrl.world.vote.vote`).
     """
-    for attempt in range(ATTEMPTS):
-        status: tuple[str, Any] = ("", None)
-        if ctx.rank == 0:
-            status = _attempt(ctx, state, step, last=attempt == ATTEMPTS - 1)
-        status = broadcast_object(status)
-        if status[0] == "stopped":
-            raise StoppedWithoutServers(stopped_message(step, status[1]))
-        if status[0] == "ok":
-            batch, metrics = status[1]
-            metrics.update(rollout_metrics(batch))
-            if ctx.servers is not None:
-                metrics["rollout/server_restarts"] = float(ctx.servers.restarts)
-            return batch, metrics
-        if status[0] == "error":
-            raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
-        log0(f"step {step}: rollout server failed ({status[1]}); restarted, re-sending weights and retrying")
+
+    def retry(attempt: int, why: str) -> None:
+        log0(f"step {step}: rollout server failed ({why}); restarted, re-sending weights and retrying")
         restore()
-    raise RuntimeError("unreachable")
+
+    batch, metrics = vote(
+        lambda attempt: _attempt(ctx, state, step, attempt == ATTEMPTS - 1) if ctx.rank == 0 else NO_VERDICT,
+        attempts=ATTEMPTS,
+        recover=retry,
+        failed=lambda why, exhausted: f"rollout of step {step} failed: {why}",
+        stopped=lambda why: stopped_message(step, why),
+    )
+    metrics.update(rollout_metrics(batch))
+    if ctx.servers is not None:
+        metrics["rollout/server_restarts"] = float(ctx.servers.restarts)
+    return batch, metrics
 
 
 def stopped_message(step: int, why: str) -> str:

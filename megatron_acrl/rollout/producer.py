@@ -4,7 +4,8 @@ Every rank holds one and calls each method (what the servers need goes through r
 
 * :meth:`~Producer.next_batch` -- the step's rollout batch on every rank;
 * :meth:`~Producer.publish` -- after the update: the servers serve the new version (or, with
-  ``rollout.weight_lag_steps``, the lagged one: :class:`~megatron_acrl.servers.publisher.ServedWeights`);
+  ``rollout.weight_lag_steps``, the lagged one), through the run's
+  :class:`~megatron_acrl.servers.publisher.WeightPublisher`;
 * :meth:`~Producer.evaluate` -- an evaluation of the served policy;
 * :meth:`~Producer.step_metrics` -- ``time/trainer_idle``, ``time/server_idle`` and the queue;
 * :meth:`~Producer.save_checkpoint` -- a checkpoint of the run with the producer's position.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from megatron_acrl.batch.rollout_batch import RolloutBatch, save_rollouts
 from megatron_acrl.batch.staleness import format_version
@@ -30,48 +31,41 @@ from megatron_acrl.rollout.engine import GenerationEngine, PromptSource
 from megatron_acrl.rollout.evaluate import evaluate, evaluate_exact, exact_due
 from megatron_acrl.rollout.group_queue import GroupQueue
 from megatron_acrl.rollout.phase import ATTEMPTS, collect_rollouts, rollout_metrics, stopped_message
-from megatron_acrl.run.context import StoppedWithoutServers
 from megatron_acrl.run.resume import DriverState, save_checkpoint
-from megatron_acrl.servers.publisher import ServedWeights
+from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.tasks.base import Prompt
-from megatron_acrl.world.distributed import broadcast_object, log0
+from megatron_acrl.world.distributed import log0
+from megatron_acrl.world.vote import ERROR, NO_VERDICT, OK, RETRY, STOPPED, Verdict, vote
 
 if TYPE_CHECKING:
     from megatron_acrl.run.context import RunContext
 
 
 class Producer:
-    """The interface the loop pulls from (module doc); the served weights are common to both."""
+    """The interface the loop pulls from (module doc); the publisher is common to both."""
 
-    def __init__(self, ctx: RunContext, served: ServedWeights):
+    def __init__(self, ctx: RunContext, publisher: WeightPublisher):
         self.ctx = ctx
-        self.served = served
+        self.publisher = publisher
         self._generation_s = 0.0
-        self.servers_gone = False
+
+    @property
+    def servers_gone(self) -> bool:
         """A publish failed after a stop was asked: the step ends without the servers (no eval)."""
+        return self.publisher.servers_gone
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         raise NotImplementedError
 
     def publish(self, version: int) -> dict[str, float]:
-        """The trainer now holds ``version``: the servers serve it, or its lagged predecessor."""
-        return self._publish_or_stop(version)
-
-    def _publish_or_stop(self, version: int) -> dict[str, float]:
-        """``served.publish(version)``; when that fails after a stop was asked (SLURM's preemption
-        takes the servers down with the job), the step ends without the servers, ``sync/stopped`` = 1:
-        the loop checkpoints it, and the resume pushes the served version to the new servers."""
-        try:
-            return self.served.publish(version)
-        except StoppedWithoutServers as err:
-            log0(str(err))
-            self.servers_gone = True
-            return {"sync/stopped": 1.0}
+        """The trainer now holds ``version``: the servers serve it, or its lagged predecessor (a
+        failure after a stop was asked ends the step without them: the publisher's stop rule)."""
+        return self.publisher.publish(version)
 
     def evaluate(self, step: int) -> dict[str, float]:
         if self.servers_gone:
             return {}
-        return evaluate(self.ctx, step, format_version(self.served.version), self.served.restore)
+        return evaluate(self.ctx, step, format_version(self.publisher.version), self.publisher.restore)
 
     def evaluate_exact(self, step: int) -> dict[str, float]:
         """The exact metric J after ``step`` steps, when ``training.exact_eval_interval`` says so."""
@@ -91,7 +85,7 @@ class Producer:
         """Every rank: checkpoint the run at ``state.step``, with the producer's position and the
         served weight sets (:func:`megatron_acrl.run.resume.save_checkpoint`)."""
         self.checkpoint_into(state)
-        return save_checkpoint(self.ctx, state, self.served)
+        return save_checkpoint(self.ctx, state, self.publisher)
 
     def close(self) -> None:
         """Stop generating (safe to call twice)."""
@@ -102,7 +96,7 @@ class SyncProducer(Producer):
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         t = time.perf_counter()
-        out = collect_rollouts(self.ctx, state, step, self.served.restore)
+        out = collect_rollouts(self.ctx, state, step, self.publisher.restore)
         self._generation_s = time.perf_counter() - t
         return out
 
@@ -116,8 +110,8 @@ class SyncProducer(Producer):
 class AsyncProducer(Producer):
     """Take finished groups from rank 0's generation engine (module doc)."""
 
-    def __init__(self, ctx: RunContext, served: ServedWeights, state: DriverState):
-        super().__init__(ctx, served)
+    def __init__(self, ctx: RunContext, publisher: WeightPublisher, state: DriverState):
+        super().__init__(ctx, publisher)
         r, a = ctx.cfg.rollout, ctx.cfg.algorithm
         self.drain_updates = not r.partial_rollouts and r.pause_mode != "abort"
         self.engine: GenerationEngine | None = None
@@ -137,52 +131,51 @@ class AsyncProducer(Producer):
         )
         pending = [(int(g), Prompt(t, ans, int(uid))) for g, t, ans, uid in position.get("pending", [])]
         source = PromptSource(ctx.prompt_stream, state.prompts_consumed, position.get("next_gid", 0), pending)
-        self.engine = GenerationEngine(ctx, queue, source, served.version)
+        self.engine = GenerationEngine(ctx, queue, source, publisher.version)
         self.engine.start()
         self._busy = self.engine.busy_seconds()
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Step ``step``'s batch; a server found gone is restarted, the served weights re-sent, its
         lost requests resubmitted, and the wait goes on (up to ``ATTEMPTS`` restarts a step)."""
-        for attempt in range(ATTEMPTS + 1):
-            status: tuple[str, Any] = ("", None)
-            if self.engine is not None:
-                status = self._take(step)
-            status = broadcast_object(status)
-            if status[0] == "stopped":  # the engine's position still holds every group it admitted
-                raise StoppedWithoutServers(stopped_message(step, status[1]))
-            if status[0] == "ok":
-                batch, metrics = status[1]
-                metrics.update(rollout_metrics(batch))
-                if self.ctx.servers is not None:
-                    metrics["rollout/server_restarts"] = float(self.ctx.servers.restarts)
-                return batch, metrics
-            if status[0] == "error" or attempt == ATTEMPTS:
-                raise RuntimeError(f"rollout of step {step} failed: {status[1]}")
-            log0(f"step {step}: rollout server failed ({status[1]}); restarting it, resubmitting requests")
-            if self.ctx.servers is not None:
-                self.ctx.servers.restart()
-            self.served.restore()  # every rank: the restarted server gets the served weights
-            if self.engine is not None:
-                self.engine.restored()
-        raise RuntimeError("unreachable")
+        batch, metrics = vote(
+            lambda attempt: self._take(step) if self.engine is not None else NO_VERDICT,
+            attempts=ATTEMPTS + 1,
+            recover=lambda attempt, why: self._restart(step, why),
+            failed=lambda why, exhausted: f"rollout of step {step} failed: {why}",
+            stopped=lambda why: stopped_message(step, why),
+        )
+        metrics.update(rollout_metrics(batch))
+        if self.ctx.servers is not None:
+            metrics["rollout/server_restarts"] = float(self.ctx.servers.restarts)
+        return batch, metrics
 
-    def _take(self, step: int) -> tuple[str, Any]:
-        """Rank 0: wait for the engine: ``("ok", (batch, metrics))``, ``("retry" | "error", why)``, or
-        ``("stopped", why)`` when it failed after a stop was asked."""
+    def _restart(self, step: int, why: str) -> None:
+        """Every rank, after the engine lost a server: rank 0 restarts it, every rank re-sends the
+        served weights, and the engine resubmits what was lost."""
+        log0(f"step {step}: rollout server failed ({why}); restarting it, resubmitting requests")
+        if self.ctx.servers is not None:
+            self.ctx.servers.restart()
+        self.publisher.restore()  # every rank: the restarted server gets the served weights
+        if self.engine is not None:
+            self.engine.restored()
+
+    def _take(self, step: int) -> Verdict:
+        """Rank 0: wait for the engine: ``(OK, (batch, metrics))``, ``(RETRY | ERROR, why)``, or
+        ``(STOPPED, why)`` when it failed after a stop was asked (:mod:`megatron_acrl.world.vote`)."""
         assert self.engine is not None
         try:
             kind, taken = self.engine.wait_batch(step)
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
-            return ("stopped" if self.ctx.stopping() else "error"), f"{type(e).__name__}: {e}"
+            return (STOPPED if self.ctx.stopping() else ERROR), f"{type(e).__name__}: {e}"
         if kind == "failed":
-            return ("stopped" if self.ctx.stopping() else "retry"), taken
+            return (STOPPED if self.ctx.stopping() else RETRY), taken
         batch = RolloutBatch.concat([g.batch for g in taken.groups], self.ctx.pad_id)  # type: ignore[misc]
         if self.ctx.args.save_rollouts:
             save_rollouts(batch, self.ctx.args.save_rollouts, step)
         metrics = self.engine.stats()
         metrics["rollout/topped_up_groups"] = float(taken.topped_up)
-        return "ok", (batch, metrics)
+        return OK, (batch, metrics)
 
     def publish(self, version: int) -> dict[str, float]:
         """Push the update while the requests in flight pause (or, without partial rollouts, after
@@ -190,10 +183,10 @@ class AsyncProducer(Producer):
         if self.engine is not None:
             self.engine.begin_update(drain=self.drain_updates)
         try:
-            return self._publish_or_stop(version)
+            return self.publisher.publish(version)
         finally:
             if self.engine is not None:
-                self.engine.end_update(self.served.version, drained=self.drain_updates)
+                self.engine.end_update(self.publisher.version, drained=self.drain_updates)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate with nothing of training's in flight: its pushes (trainer weights) never reach a
@@ -244,8 +237,9 @@ class AsyncProducer(Producer):
 
 def make_producer(ctx: RunContext, state: DriverState, step_dir: Path | None) -> Producer:
     """The run's producer, serving its first weights (the initial policy, or the checkpoint's)."""
-    served = ServedWeights(ctx, ctx.cfg.rollout.weight_lag_steps)
-    served.start(state.weight_version, step_dir)
+    publisher = ctx.publisher
+    assert publisher is not None, "setup_run attaches the publisher"
+    publisher.start(state.weight_version, step_dir)
     if ctx.cfg.rollout.mode == "async":
-        return AsyncProducer(ctx, served, state)
-    return SyncProducer(ctx, served)
+        return AsyncProducer(ctx, publisher, state)
+    return SyncProducer(ctx, publisher)

@@ -4,9 +4,10 @@
 (:mod:`megatron_acrl.world.distributed`), builds the tiny local model when no ``model.hf_path`` is given,
 runs the supervised warm-start if asked, loads the weights into the Megatron policy (and the PPO
 critic), checks that a rollout batch splits evenly over the layout, and on rank 0 opens the prompt
-stream and starts the rollout servers (:class:`megatron_acrl.servers.handle.RolloutServers`).
-:meth:`RunContext.push_weights` is the one way the policy's weights reach the servers. The run
-directory is 0700; the servers' key lives in :class:`RolloutServers` (rank 0) and nowhere else.
+stream and starts the rollout servers (:class:`megatron_acrl.servers.handle.RolloutServers`); every
+rank gets the run's weight publisher (:class:`megatron_acrl.servers.publisher.WeightPublisher`), the
+one way the policy's weights reach the servers. The run directory is 0700; the servers' key lives in
+:class:`RolloutServers` (rank 0) and nowhere else.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ import argparse
 import itertools
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import yaml
-from torch import Tensor
 
 from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.logging import RunLogger
+from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.tasks import Prompt, Task, make_task
 from megatron_acrl.world.distributed import broadcast_object, init_distributed, log0
 
@@ -33,14 +34,6 @@ if TYPE_CHECKING:
     from megatron_acrl.megatron.critic import Critic
     from megatron_acrl.megatron.policy import Policy
     from megatron_acrl.servers.handle import RolloutServers
-    from sglang_bridge.weight_sync import WeightSource
-
-
-class StoppedWithoutServers(Exception):
-    """A stop was asked (SIGTERM / SIGINT), and then a rollout or a weight sync of the loop failed:
-    SLURM's preemption signals every step of the job, the servers' too, so they go down under the
-    trainer's feet. Raised on every rank alike (rank 0 decides), instead of restarting servers that
-    are going down with the job; the loop then ends at a step boundary, which the run checkpoints."""
 
 
 @dataclass
@@ -62,16 +55,16 @@ class RunContext:
     """Rank 0, unless the run replays recorded rollouts."""
     logger: RunLogger | None = None
     """Rank 0, from :meth:`start_logging` on."""
-    weight_source: WeightSource | None = None
-    """The weight-sync source of a non-zero rank that sends its own stage's / EP rank's weights
-    (``rollout.weight_sync: per_source``); rank 0's synchronizer coordinates it."""
+    publisher: WeightPublisher | None = None
+    """The one way the policy's weights reach the servers (every rank; :func:`attach_publisher`)."""
     prompt_stream: Iterator[Prompt] | None = None
     """Rank 0: the training prompts, positioned after the prompts consumed so far."""
     last_checkpoint_step: int = -1
     """The step of the last checkpoint written or resumed from (-1: none)."""
     stopping: Callable[[], bool] = lambda: False
     """Whether this rank was asked to stop (the entry point's signals): rank 0 asks it before it
-    retries a failed rollout or weight sync of the loop (:class:`StoppedWithoutServers`)."""
+    retries a failed rollout or weight sync of the loop
+    (:class:`~megatron_acrl.world.vote.StoppedWithoutServers`)."""
 
     @property
     def eos_id(self) -> int:
@@ -81,83 +74,6 @@ class RunContext:
     def pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.eos_id)
-
-    # -- weights ---------------------------------------------------------------------------------
-
-    def push_weights(
-        self,
-        version: str,
-        *,
-        quantize: bool = True,
-        weights: Sequence[tuple[str, Tensor]] | None = None,
-        stoppable: bool = False,
-    ) -> dict[str, float]:
-        """Push the policy's weights to the rollout servers; ``quantize=False`` pushes them without
-        the rollout's FP8 quantization (bf16 servers only). Every rank walks its stream (the gathers
-        in it are collectives): per source, each stage's and EP rank's source sends its own part
-        while rank 0 runs the update's lifecycle; with ``rollout.weight_sync: rank0``, every stage is
-        broadcast to rank 0, which sends it all. ``weights``: rank 0's stored HF-named weights to
-        push instead (the lag buffer, :mod:`megatron_acrl.servers.publisher`); then no rank walks the
-        stream, rank 0 sends the whole set (the config allows a lag only with one source), and every
-        rank passes a value (the others' is ignored).
-
-        A failed sync restarts dead servers, kills and replaces hung ones (a timeout), or reconnects
-        the synchronizer (a failed source), and tries again, twice
-        (:mod:`megatron_acrl.servers.recovery`); rank 0 decides for every rank. With ``stoppable`` (the
-        loop's publish), a sync that fails after a stop was asked raises :class:`StoppedWithoutServers`
-        on every rank instead of a recovery.
-        """
-        from megatron_acrl.servers.transfer import push_from_source, recovery
-
-        per_source = self.cfg.rollout.weight_sync == "per_source"
-        for attempt in range(3):
-            if weights is not None:  # the lag buffer: rank 0 holds the whole set and sends it
-                stream, meta = iter(weights), None
-            else:
-                stream = (
-                    self.policy.hf_source_weights() if per_source else self.policy.hf_weights(all_stages=True)
-                )
-                meta = self.policy.hf_source_meta() if per_source else None
-            metrics: dict[str, float] = {}
-            ok, action, err = True, None, ""
-            try:
-                if self.servers is not None:
-                    if stoppable and self.stopping() and (dead := self.servers.dead_servers()):
-                        # not the restart update_weights would start: the servers go down with the job
-                        raise RuntimeError(f"server(s) {dead} gone")
-                    metrics = self.servers.update_weights(stream, version, quantize=quantize, meta=meta)
-                elif self.weight_source is not None and meta is not None:
-                    push_from_source(self.cfg, self.weight_source, stream, meta, quantize=quantize)
-            except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
-                ok, err = False, f"{type(e).__name__}: {e}"
-                action = recovery(e, bool(self.servers.dead_servers())) if self.servers is not None else None
-            try:
-                for _ in stream:  # drain: the gathers inside are collectives every rank must join
-                    pass
-            except Exception as e:  # noqa: BLE001 - a stream that fails here still reaches the vote
-                if ok:
-                    ok, err = False, f"{type(e).__name__}: {e}"
-            stopped = stoppable and not ok and self.stopping()  # rank 0's is the one broadcast
-            ok, action, err, stopped = broadcast_object((ok, action, err, stopped))
-            if stopped:
-                raise StoppedWithoutServers(
-                    f"weight sync to {version} failed after a stop was asked ({err}); the servers are "
-                    "going down with the job: not recovered, the step ends without them"
-                )
-            if not ok and action is None:
-                raise RuntimeError(f"weight sync to {version} failed: {err}")
-            if ok:
-                if self.servers is not None:
-                    metrics["sync/restarts"] = float(self.servers.restarts)
-                    metrics["sync/hung_restarts"] = float(self.servers.hung_restarts)
-                return metrics
-            log0(f"weight sync to {version} failed (attempt {attempt + 1}/3): {err}; {action} and retry")
-            if self.servers is not None:
-                try:
-                    self.servers.recover(action, attempt)
-                except Exception as e:  # noqa: BLE001 - the next attempt's vote keeps the ranks in step
-                    log0(f"{action} failed: {type(e).__name__}: {e}")
-        raise RuntimeError(f"weight sync to {version} failed 3 times; see the server logs in {self.run_dir}")
 
     # -- logging -----------------------------------------------------------------------------------
 
@@ -172,16 +88,16 @@ class RunContext:
         state.wandb_id = self.logger.run_id
 
     def close(self) -> None:
-        """Close the logger and stop the servers (rank 0); safe to call twice."""
+        """Close the logger, the publisher and stop the servers (rank 0); safe to call twice."""
         if self.logger is not None:
             self.logger.close()
             self.logger = None
         if self.servers is not None:
             self.servers.close()
             self.servers = None
-        if self.weight_source is not None:
-            self.weight_source.close()
-            self.weight_source = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
 
 def run_directory(cfg: Config, args: argparse.Namespace) -> Path:
@@ -322,7 +238,7 @@ def setup_run(
             ctx.servers = RolloutServers(
                 cfg, model_dir, run_dir / "logs", source_label=label, single_node=single_node
             )
-    attach_weight_source(ctx, single_node)
+    attach_publisher(ctx, single_node)
     dist.barrier()
     return ctx
 
@@ -334,14 +250,19 @@ def on_one_node(world: int) -> bool:
     return len(set(hosts)) == 1
 
 
-def attach_weight_source(ctx: RunContext, single_node: bool) -> None:
-    """Per-source weight sync: every rank that sends weights itself, but rank 0 (whose servers'
-    synchronizer coordinates them), joins rank 0's control store (a collective)."""
+def attach_publisher(ctx: RunContext, single_node: bool) -> WeightPublisher:
+    """Give the run its weight publisher (a collective). Per-source weight sync: every rank that
+    sends weights itself, but rank 0 (whose servers' synchronizer coordinates them), first joins
+    rank 0's control store with its own weight source."""
     servers = ctx.servers
     control = broadcast_object(servers.control.address if servers and servers.control else None)
-    source = ctx.policy.sync_source
+    source, own = ctx.policy.sync_source, None
     if control is not None and ctx.rank != 0 and source is not None:
         from megatron_acrl.servers.transfer import open_weight_source, sync_address
 
         address = sync_address(ctx.cfg, single_node)
-        ctx.weight_source = open_weight_source(ctx.cfg, tuple(control), source.index, source.label, address)
+        own = open_weight_source(ctx.cfg, tuple(control), source.index, source.label, address)
+    ctx.publisher = WeightPublisher(
+        ctx.cfg, ctx.rank, ctx.policy, servers, own, stopping=ctx.stopping, log_dir=ctx.run_dir / "logs"
+    )
+    return ctx.publisher

@@ -31,7 +31,7 @@ import torch
 from megatron_acrl.batch.staleness import parse_version
 from megatron_acrl.config import Config, ConfigError, config_to_dict
 from megatron_acrl.run.context import RunContext, prompt_stream
-from megatron_acrl.servers.publisher import ServedWeights, check_resumable
+from megatron_acrl.servers.publisher import WeightPublisher, check_resumable
 from megatron_acrl.world.distributed import broadcast_object, log0
 
 
@@ -60,9 +60,11 @@ def checkpoint_due(ctx: RunContext, step: int) -> bool:
     return bool(t.checkpoint_dir) and t.save_interval > 0 and step % t.save_interval == 0
 
 
-def save_checkpoint(ctx: RunContext, state: DriverState, served: ServedWeights | None = None) -> Path | None:
+def save_checkpoint(
+    ctx: RunContext, state: DriverState, publisher: WeightPublisher | None = None
+) -> Path | None:
     """Write a checkpoint of ``state.step`` (every rank calls it), with the lagged weight sets of
-    ``served`` when it keeps any."""
+    ``publisher`` when it keeps any."""
     directory = ctx.cfg.training.checkpoint_dir
     if not directory:
         return None
@@ -81,8 +83,8 @@ def save_checkpoint(ctx: RunContext, state: DriverState, served: ServedWeights |
             torch.save(payload, step_dir / "driver.pt")
 
     writers = [write_driver]
-    if served is not None:
-        writers.append(served.write)
+    if publisher is not None:
+        writers.append(publisher.write)
     if ctx.critic is not None:  # into the same step directory, under the same commit
         writers.append(lambda step_dir: ctx.critic.save_dist(step_dir / ctx.critic.ckpt_kind))
     path = ctx.policy.save_checkpoint(directory, also=writers)  # policy/, writers, commit

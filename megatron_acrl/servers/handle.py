@@ -18,7 +18,7 @@ A server that dies is restarted from the served model directory and the update g
 (:meth:`RolloutServers.restart`); one that hangs during a weight sync (a timeout, and no answer to a
 health request, or stopped) has its process tree killed and is replaced the same way
 (:mod:`megatron_acrl.servers.recovery`); the driver then re-sends the current weights and retries
-(:meth:`megatron_acrl.run.context.RunContext.push_weights`,
+(:meth:`megatron_acrl.servers.publisher.WeightPublisher.push`,
 :func:`megatron_acrl.rollout.phase.collect_rollouts`).
 
 A run owns what it starts: its servers and its clients hold one key (:func:`run_api_key`: the one

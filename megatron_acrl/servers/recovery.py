@@ -4,7 +4,7 @@ reconnect the update group (:class:`ServerRecovery`, the failure half of
 
 A failed weight sync names what it calls for (:func:`megatron_acrl.servers.transfer.recovery`), and
 :meth:`ServerRecovery.recover` does it; the driver then re-sends the full weights
-(:meth:`megatron_acrl.run.context.RunContext.push_weights`). Three kinds:
+(:meth:`megatron_acrl.servers.publisher.WeightPublisher.push`). Three kinds:
 
 * a server died (:data:`RESTART`): a fresh one from the served model directory, a new update group;
 * a server timed out (:data:`HUNG`): one whose process runs but that answers no health request, or

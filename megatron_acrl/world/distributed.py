@@ -26,8 +26,9 @@ def log0(*msg: object) -> None:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from ``src`` on every rank of the world (pickled)."""
-    if dist.get_world_size() == 1:
+    """``obj`` from ``src`` on every rank of the world (pickled); ``obj`` itself in a single process
+    (no process group: unit tests of the driver's phases)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -38,7 +39,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (one tiny all-reduce), e.g. a stop signal
     that reached one rank: all ranks must leave the loop at the same step."""
     box = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return bool(box.item() > 0)
 
