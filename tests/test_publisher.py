@@ -131,7 +131,9 @@ def test_a_hung_server_is_replaced_and_a_repeat_escalates() -> None:
 
 def test_bad_input_is_not_retried() -> None:
     servers = Servers([ManifestMismatchError("wrong shape")])
-    with pytest.raises(RuntimeError, match="weight sync to step-1 failed: ManifestMismatchError: wrong shape"):
+    with pytest.raises(
+        RuntimeError, match="weight sync to step-1 failed: ManifestMismatchError: wrong shape"
+    ):
         _publisher(servers).push("step-1")
     assert servers.recovered == []
 
