@@ -114,6 +114,7 @@ def test_overlong_penalty_with_a_one_token_buffer():
         ({"name": "grpo"}, True),
         ({"name": "grpo", "grpo_norm_std": False}, False),
         ({"name": "dr_grpo", "grpo_norm_std": False}, False),
+        ({"name": "dr_grpo"}, False),  # the name sets grpo_norm_std false (ALGORITHMS)
         ({"name": "dapo"}, True),
     ],
 )

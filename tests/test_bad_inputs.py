@@ -207,7 +207,26 @@ CASES: list[tuple[str, Setup, str, str]] = [
         "rollout.max_prompt_len",
         "'max_prompt_len' is given twice",
     ),
+    # -- algorithm (issue 32: the algorithm table)
+    (
+        "overlong_buffer_past_max_new_tokens",
+        lambda t: (BASE, ["algorithm.overlong_buffer_len=13"]),  # tiny_dense: max_new_tokens 12
+        "algorithm.overlong_buffer_len",
+        "exceeds rollout.max_new_tokens=12",
+    ),
+    (
+        "dr_grpo_with_std",
+        lambda t: (BASE, ["algorithm.name=dr_grpo", "algorithm.grpo_norm_std=true"]),
+        "algorithm.grpo_norm_std",
+        "algorithm.name=dr_grpo requires grpo_norm_std=false",
+    ),
     # -- caught already (they stay caught)
+    (
+        "algorithm_name_unknown",
+        lambda t: (BASE, ["algorithm.name=dapoo"]),
+        "algorithm.name",
+        "'grpo', 'dr_grpo', 'dapo', 'ppo'; got 'dapoo' (did you mean 'dapo'?)",
+    ),
     (
         "unknown_key",
         lambda t: (BASE, ["rollout.temprature=0.5"]),

@@ -245,6 +245,16 @@ def test_explain_cli_lists_every_field():
     for key in ("correction.gamma", "parallel.tp", "algorithm.loss_agg", "rollout.quantization"):
         assert key in out
     assert "control strength" in out
+    # With a config: its values; a grpo config's name sets nothing, so nothing is marked.
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_acrl.config", str(ROOT / "configs/tiny_dense.yaml"), "--explain"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cfg = load_config(ROOT / "configs/tiny_dense.yaml")
+    assert out.strip() == "\n".join(explain(cfg)).strip() and "(from " not in out
+    assert "  correction.gamma: float = 0.65\n" in out and "  rollout.max_new_tokens: int = 12\n" in out
 
 
 def test_cli_reports_errors_with_exit_code_2():

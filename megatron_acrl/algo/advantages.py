@@ -164,16 +164,17 @@ def overlong_penalty(response_len: Tensor, *, max_len: int, buffer_len: int, pen
 
 
 def compute_advantages(tb: dict[str, Tensor], cfg: Config) -> tuple[Tensor, dict[str, float]]:
-    """Token advantages ``[N, L]`` of a rollout batch for ``cfg.algorithm`` (GRPO family).
+    """Token advantages ``[N, L]`` of a rollout batch for ``cfg.algorithm``: its estimator
+    (``ALGORITHMS[name].estimator``) is ``group`` (GRPO family) or ``gae`` (PPO).
 
     Args:
         tb: the train batch (``rewards [N]``, ``group_ids [N]``, ``loss_mask [N, L]``).
     """
     a = cfg.algorithm
-    if a.name == "ppo":  # critic + GAE; also writes tb["returns"], the critic's targets
+    if a.spec.estimator == "gae":  # critic + GAE; also writes tb["returns"], the critic's targets
         return ppo_advantages(tb, a)
-    norm_std = a.grpo_norm_std and a.name != "dr_grpo"
-    seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=norm_std)
+    # dr_grpo's grpo_norm_std is false: its ALGORITHMS entry requires it, the config refuses true.
+    seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=a.grpo_norm_std)
     adv = token_advantages(seq, tb["loss_mask"])
     keep = dynamic_sampling_keep(tb["rewards"], tb["group_ids"])
     return adv, {

@@ -11,10 +11,16 @@ names every offending key path and how to fix it.
 
     python -m megatron_acrl.config --explain            # every field, its default and its doc
     python -m megatron_acrl.config configs/X.yaml k=v    # validate and print the resolved config
+    python -m megatron_acrl.config configs/X.yaml --explain  # its values; marks what algorithm.name set
+
+``algorithm.name`` applies its algorithm's values (:data:`ALGORITHMS`) to every algorithm field the
+YAML and the overrides leave unset.
 """
 
 from megatron_acrl.config._base import ConfigError
 from megatron_acrl.config.algorithm import (
+    ALGORITHMS,
+    Algorithm,
     AlgorithmConfig,
     AlgorithmName,
     CorrectionConfig,
@@ -27,6 +33,7 @@ from megatron_acrl.config.loader import (
     config_to_dict,
     explain,
     load_config,
+    load_config_with_sources,
     parse_overrides,
 )
 from megatron_acrl.config.model import ModelConfig, ModelFamily, ParallelConfig
@@ -35,6 +42,8 @@ from megatron_acrl.config.run import Config
 from megatron_acrl.config.training import LoggingConfig, TaskConfig, TrainingConfig
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
     "AlgorithmConfig",
     "AlgorithmName",
     "Config",
@@ -56,5 +65,6 @@ __all__ = [
     "config_to_dict",
     "explain",
     "load_config",
+    "load_config_with_sources",
     "parse_overrides",
 ]

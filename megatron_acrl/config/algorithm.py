@@ -1,38 +1,125 @@
-"""The RL algorithm, its policy loss, and the training-inference mismatch correction."""
+"""The RL algorithm, its policy loss, and the training-inference mismatch correction.
+
+:data:`ALGORITHMS` is the algorithm table: each ``algorithm.name`` carries its advantage estimator,
+whether it needs a critic, and the algorithm-section values it implies. The loader
+(:mod:`megatron_acrl.config.loader`) fills those values into every field the user leaves unset;
+an explicit value (YAML or override) wins, and ``--explain`` names the fields the name set.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 from megatron_acrl.config._base import _check, _Section
+from megatron_acrl.config.rollout import RolloutConfig
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "ppo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Estimator = Literal["group", "gae"]
+
+
+@dataclass(frozen=True)
+class FromRollout:
+    """A default that depends on the run's rollout section: ``rule(rollout)``, described by ``says``
+    (what ``--explain`` prints after the name)."""
+
+    rule: Callable[[RolloutConfig], Any]
+    says: str
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One entry of :data:`ALGORITHMS`."""
+
+    estimator: Estimator
+    """``group``: group-relative sequence advantages ``r - mean_group`` (``/ std_group`` with
+    ``grpo_norm_std``), ``algo.advantages.grpo_advantages``; ``gae``: GAE over a critic's values,
+    ``algo.advantages.ppo_advantages``."""
+
+    defaults: Mapping[str, Any]
+    """Algorithm-section fields the name sets where the user does not (a plain value or a
+    :class:`FromRollout`)."""
+
+    requires: Mapping[str, Any]
+    """Fields that define the name: set like ``defaults``, but an explicit other value is refused."""
+
+    summary: str
+    """One line for the docs and ``--explain``."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the run trains a value model next to the policy (``estimator == "gae"``)."""
+        return self.estimator == "gae"
+
+
+ALGORITHMS: Mapping[str, Algorithm] = MappingProxyType(
+    {
+        # GRPO's values are the fields' own defaults: a grpo config is the dataclass as written.
+        "grpo": Algorithm("group", MappingProxyType({}), MappingProxyType({}), "group-relative advantages"),
+        # Dr. GRPO (Liu et al. 2025): no std normalisation, a constant-length token sum per sequence
+        # (verl norm_adv_by_std_in_grpo=False, loss_agg_mode=seq-mean-token-sum-norm).
+        "dr_grpo": Algorithm(
+            "group",
+            MappingProxyType({"loss_agg": "seq-mean-token-sum-norm"}),
+            MappingProxyType({"grpo_norm_std": False}),
+            "GRPO without the std division, a constant-length token sum",
+        ),
+        # DAPO (Yu et al. 2025) and verl's recipe: clip_ratio_high 0.28, loss_agg_mode token-mean,
+        # filter_groups (dynamic sampling), overlong buffer 4096 of 20480 response tokens (1/5)
+        # with penalty factor 1.0.
+        "dapo": Algorithm(
+            "group",
+            MappingProxyType(
+                {
+                    "clip_high": 0.28,
+                    "loss_agg": "token-mean",
+                    "dynamic_sampling": True,
+                    "overlong_buffer_len": FromRollout(
+                        lambda r: max(1, r.max_new_tokens // 5), "rollout.max_new_tokens // 5"
+                    ),
+                    "overlong_penalty": 1.0,
+                }
+            ),
+            MappingProxyType({}),
+            "GRPO with clip-higher, token-mean, dynamic sampling and overlong shaping",
+        ),
+        # PPO: the fields' own defaults; the name adds the critic.
+        "ppo": Algorithm("gae", MappingProxyType({}), MappingProxyType({}), "a critic and GAE"),
+    }
+)
+"""``algorithm.name`` -> its :class:`Algorithm` (the keys are exactly :data:`AlgorithmName`)."""
 
 
 @dataclass(frozen=True)
 class AlgorithmConfig(_Section):
     name: AlgorithmName = "grpo"
-    """Advantage estimator and defaults: grpo, dr_grpo (no std, sum-norm), dapo, ppo (critic + GAE)."""
+    """The algorithm (its entry in ALGORITHMS): grpo (the defaults below); dr_grpo (grpo_norm_std
+    false, required; loss_agg seq-mean-token-sum-norm); dapo (clip_high 0.28, loss_agg token-mean,
+    dynamic_sampling true, overlong_buffer_len rollout.max_new_tokens // 5, overlong_penalty 1.0);
+    ppo (a critic and GAE). The name's values fill every algorithm field the config leaves unset; a
+    value set in the YAML or an override wins (`--explain CONFIG` marks the ones the name set)."""
 
     clip_low: float = 0.2
     """PPO ratio clip below 1 (epsilon_low)."""
 
     clip_high: float = 0.2
-    """PPO ratio clip above 1 (epsilon_high; DAPO clip-higher uses 0.28)."""
+    """PPO ratio clip above 1 (epsilon_high; clip-higher: name dapo sets 0.28)."""
 
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss for negative advantages; None disables."""
 
     loss_agg: LossAgg = "seq-mean-token-mean"
-    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
+    """Loss aggregation: token-mean (name dapo sets it), seq-mean-token-mean (GRPO),
+    seq-mean-token-sum-norm (name dr_grpo sets it)."""
 
     loss_norm_len: int | None = None
     """Constant length for seq-mean-token-sum-norm; None uses rollout.max_new_tokens."""
 
     grpo_norm_std: bool = True
-    """Divide group-centred rewards by the group std (False for Dr. GRPO)."""
+    """Divide group-centred rewards by the group std (name dr_grpo sets false and refuses true)."""
 
     kl_coef: float = 0.0
     """Coefficient of the KL-to-reference penalty in the loss; 0 disables the reference model."""
@@ -62,16 +149,17 @@ class AlgorithmConfig(_Section):
     """Optimizer steps per pass over a rollout batch."""
 
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and refill with new prompts."""
+    """DAPO (name dapo sets it): drop groups whose rewards are all equal and refill with new prompts."""
 
     max_refill_rounds: int = 3
     """DAPO: extra generation rounds to refill a batch after dynamic sampling."""
 
     overlong_buffer_len: int = 0
-    """DAPO overlong shaping: length of the soft-penalty buffer before max_new_tokens; 0 disables."""
+    """DAPO overlong shaping: length of the soft-penalty buffer before max_new_tokens; 0 disables
+    (name dapo sets max_new_tokens // 5, at least 1)."""
 
     overlong_penalty: float = 1.0
-    """DAPO overlong shaping: penalty reached at max_new_tokens."""
+    """DAPO overlong shaping: penalty reached at max_new_tokens (name dapo sets 1.0, DAPO's factor)."""
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
@@ -102,7 +190,34 @@ class AlgorithmConfig(_Section):
         _check(e, self.max_refill_rounds >= 0, "max_refill_rounds", "must be >= 0")
         _check(e, self.overlong_buffer_len >= 0, "overlong_buffer_len", "must be >= 0 (0 disables)")
         _check(e, self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+        return e + self._required_errors()
+
+    @property
+    def spec(self) -> Algorithm:
+        """This name's entry of :data:`ALGORITHMS` (its estimator, whether it needs a critic)."""
+        return ALGORITHMS[self.name]
+
+    def _required_errors(self) -> list[tuple[str, str]]:
+        """The fields that define the name (``Algorithm.requires``) hold its value."""
+        e: list[tuple[str, str]] = []
+        spec = ALGORITHMS.get(self.name)  # None only for a name the loader refuses before this
+        for key, want in (spec.requires if spec else {}).items():
+            got = getattr(self, key)
+            _check(
+                e,
+                got == want,
+                key,
+                f"algorithm.name={self.name} requires {key}={_yaml_scalar(want)}, got {_yaml_scalar(got)}: "
+                f"leave {key} unset (the name sets it) or choose another algorithm.name",
+            )
         return e
+
+
+def _yaml_scalar(v: Any) -> str:
+    """``v`` as a YAML user writes it (false, null, 0.2)."""
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 CorrectionMethod = Literal["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]

@@ -15,7 +15,13 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from megatron_acrl.config._base import ConfigError, _raise_if
+from megatron_acrl.config.algorithm import ALGORITHMS, AlgorithmConfig, FromRollout
+from megatron_acrl.config.rollout import RolloutConfig
 from megatron_acrl.config.run import Config
+
+Sources = dict[str, str]
+"""Dotted field -> where its value came from, for the fields set by something other than the user
+(today: ``algorithm.name=dapo`` and the like)."""
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -219,13 +225,63 @@ def _read_yaml(p: Path) -> Any:
     return data
 
 
+def _rollout_of(data: dict) -> RolloutConfig | None:
+    """The rollout section ``data`` describes, or None where it is invalid (the full build then
+    names its errors together with every other section's)."""
+    try:
+        return _build(RolloutConfig, data.get("rollout", {}), "rollout")
+    except ConfigError:
+        return None
+
+
+def apply_name_defaults(data: dict) -> tuple[dict, Sources]:
+    """``data`` with ``algorithm.name``'s values (:data:`~megatron_acrl.config.algorithm.ALGORITHMS`:
+    its defaults and required fields) filled into every algorithm field ``data`` leaves unset, and
+    the fields so filled, each mapped to ``"algorithm.name=NAME"``. A field ``data`` sets keeps its
+    value; an unknown or ill-typed name fills nothing (the build refuses it, naming the valid ones)."""
+    section = data.get("algorithm", {}) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        return data, {}
+    name = section.get("name", AlgorithmConfig.name)
+    spec = ALGORITHMS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        return data, {}
+    filled, sources = dict(section), {}
+    for key, value in {**spec.defaults, **spec.requires}.items():
+        if key in section:
+            continue  # the user's value wins
+        source = f"algorithm.name={name}"
+        if isinstance(value, FromRollout):
+            rollout = _rollout_of(data)
+            if rollout is None:
+                continue
+            value, source = value.rule(rollout), f"{source}: {value.says}"
+        filled[key] = value
+        sources[f"algorithm.{key}"] = source
+    return {**data, "algorithm": filled}, sources
+
+
+def config_with_sources(data: dict) -> tuple[Config, Sources]:
+    """:func:`config_from_dict` and the fields ``algorithm.name`` set (:func:`apply_name_defaults`)."""
+    data, sources = apply_name_defaults(data)
+    return _build(Config, data, ""), sources
+
+
 def config_from_dict(data: dict) -> Config:
-    """Build and validate a :class:`Config` from a nested dict (as read from YAML)."""
-    return _build(Config, data, "")
+    """Build and validate a :class:`Config` from a nested dict (as read from YAML); the algorithm
+    name's values fill the algorithm fields the dict leaves unset."""
+    return config_with_sources(data)[0]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load ``path`` (YAML; None means all defaults), apply dotted ``overrides``, validate."""
+    return load_config_with_sources(path, overrides)[0]
+
+
+def load_config_with_sources(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> tuple[Config, Sources]:
+    """:func:`load_config` and the fields ``algorithm.name`` set (what ``--explain CONFIG`` marks)."""
     data: dict = {}
     if path is not None and str(path) != "":
         p = Path(path)
@@ -235,7 +291,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError([("", f"{p} must hold a mapping of sections, got {type(data).__name__}")])
     data = _merge(data, parse_overrides(overrides or []))
-    return config_from_dict(data)
+    return config_with_sources(data)
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -251,22 +307,27 @@ def config_to_dict(cfg: Any) -> dict:
     return conv(cfg)
 
 
-def explain(cls: type = Config, prefix: str = "") -> list[str]:
-    """One line per field: dotted path, type, default and doc."""
+def explain(cfg: Config | None = None, sources: Sources | None = None) -> list[str]:
+    """One line per field: dotted path, type, value and doc. The values are the defaults, or
+    ``cfg``'s (a loaded config) with ``(from algorithm.name=...)`` after each field in ``sources``."""
+    return _explain_section(Config, cfg if cfg is not None else Config(), "", sources or {})
+
+
+def _explain_section(cls: type, section: Any, prefix: str, sources: Sources) -> list[str]:
+    """:func:`explain`'s lines of one section ``section`` (an instance of ``cls``)."""
     lines: list[str] = []
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
-    default = cls()
     for f in fields(cls):
         tp = hints[f.name]
         path = f"{prefix}{f.name}"
         if is_dataclass(tp):
             lines.append(f"[{path}]  {docs.get(f.name, '')}")
-            lines += explain(tp, path + ".")
+            lines += _explain_section(tp, getattr(section, f.name), path + ".", sources)
         else:
-            value = config_to_dict(getattr(default, f.name)) if not prefix else getattr(default, f.name)
-            value = list(value) if isinstance(value, tuple) else value
+            value = config_to_dict(getattr(section, f.name))  # tuples as lists, as YAML writes them
+            origin = f"  (from {sources[path]})" if path in sources else ""
             lines.append(
-                f"  {path}: {_type_name(tp)} = {value!r}\n      {docs.get(f.name, '(undocumented)')}"
+                f"  {path}: {_type_name(tp)} = {value!r}{origin}\n      {docs.get(f.name, '(undocumented)')}"
             )
     return lines

@@ -161,14 +161,20 @@ class Config:
                 f"task.name=addition with num_digits <= 2 (100 or 10,000 prompts), got "
                 f"{t.name} with num_digits={t.num_digits}; set training.exact_eval_interval=0",
             )
-        a = self.algorithm
-        if a.name == "dr_grpo":
-            _check(
-                e,
-                not a.grpo_norm_std,
-                "algorithm.grpo_norm_std",
-                "dr_grpo does not divide by the std; set false",
-            )
+        return e + self._algorithm_checks()
+
+    def _algorithm_checks(self) -> list[tuple[str, str]]:
+        """The algorithm against the rollout. The fields an algorithm name requires (dr_grpo:
+        grpo_norm_std false) are the algorithm section's own check (ALGORITHMS' ``requires``)."""
+        e: list[tuple[str, str]] = []
+        a, max_new = self.algorithm, self.rollout.max_new_tokens
+        _check(
+            e,
+            a.overlong_buffer_len <= max_new,
+            "algorithm.overlong_buffer_len",
+            f"{a.overlong_buffer_len} exceeds rollout.max_new_tokens={max_new}: the buffer is the last "
+            "tokens before the response limit; lower it (or 0 to disable)",
+        )
         return e
 
     def _token_budget_checks(self) -> list[tuple[str, str]]:

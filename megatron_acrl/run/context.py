@@ -173,7 +173,7 @@ def load_models(cfg: Config, model_dir: Path) -> tuple[Policy, Critic | None]:
     policy = Policy(cfg)
     policy.load_hf(model_dir)
     critic = None
-    if cfg.algorithm.name == "ppo":
+    if cfg.algorithm.spec.needs_critic:
         from megatron_acrl.megatron.critic import Critic
 
         critic = Critic(cfg)
