@@ -18,6 +18,11 @@ ends the step without them, and the run checkpoints that boundary and stops the 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the entry point, in every rank torchrun starts: before Megatron is imported
+    from megatron_acrl.world.backends import quiet_absent_backends
+
+    quiet_absent_backends()  # Megatron's "Transformer Engine / Apex not installed" at its import
+
 import argparse
 import os
 import sys
@@ -38,6 +43,7 @@ from megatron_acrl.rollout.producer import Producer, make_producer
 from megatron_acrl.run.context import RunContext, StoppedWithoutServers, setup_run
 from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.run.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
+from megatron_acrl.world.backends import backends_line
 from megatron_acrl.world.distributed import any_rank, log0
 from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
 from sglang_bridge.server import ServersNotReady
@@ -178,6 +184,7 @@ def run(
     os.umask(0o077)
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args, lambda: stop.requested)
+        log0(backends_line(cfg, ctx.servers))  # rank 0: what the run uses, in one line
         try:
             if prepare is not None:
                 prepare(ctx)
