@@ -18,7 +18,10 @@ ends the step without them, and the run checkpoints that boundary and stops the 
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the entry point, in every rank torchrun starts: before Megatron is imported
+# The entry point, before Megatron is imported: in every rank torchrun starts (__main__) and in every
+# child a rank spawns (__mp_main__: multiprocessing's spawn re-runs this module, e.g. the checkpoint
+# writer's helper); an import of this module filters nothing.
+if __name__ in ("__main__", "__mp_main__"):
     from megatron_acrl.world.backends import quiet_absent_backends
 
     quiet_absent_backends()  # Megatron's "Transformer Engine / Apex not installed" at its import

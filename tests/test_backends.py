@@ -139,6 +139,30 @@ def test_the_entry_point_filters_before_megatron_is_imported_and_importing_it_fi
     assert "Apex is not installed" in imported.stderr  # a library import filters nothing
 
 
+SPAWNED = """
+import importlib.util, multiprocessing as mp, sys
+# As under `python -m megatron_acrl.train`: a spawned child (the checkpoint writer's helper) re-runs
+# the entry module as __mp_main__ before its target.
+sys.modules["__main__"].__spec__ = importlib.util.find_spec("megatron_acrl.train")
+if __name__ == "__main__":
+    child = mp.get_context("spawn").Process(target=print, args=("child ran",))
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+"""
+
+
+def test_a_child_the_entry_point_spawns_filters_them_too(tmp_path):
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNED)
+    res = subprocess.run(
+        [sys.executable, "-W", "always", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "child ran" in res.stdout
+    assert "not installed" not in res.stderr, res.stderr[-3000:]
+
+
 def test_the_backends_line_says_what_a_cpu_demo_runs_on():
     cfg = load_config(DEMO, [])
     line = backends_line(cfg, SimpleNamespace(device="cpu", fp8_mode="fake"))

@@ -1,12 +1,13 @@
 """What the run runs on, said once: the entry point's warning filter and its one-line backends report.
 
-Megatron-Core warns, as it is imported, that Transformer Engine and Apex are absent (about ten
-``UserWarning`` s per rank, twice that in lines): on a CPU host nobody can act on them, since neither
+Megatron-Core warns, as it is imported, that Transformer Engine and Apex are absent: six
+``UserWarning`` s in every rank, and six more in the checkpoint writer's helper each rank spawns
+(which re-imports the entry module). On a CPU host nobody can act on them, since neither package
 exists there. :func:`quiet_absent_backends` ignores exactly those messages, from ``megatron.core``
 only; every other warning, Megatron's included, still shows. It is the entry point's alone
 (``python -m megatron_acrl.train`` installs it before its first import of Megatron, in every rank
-process torchrun starts): importing this module changes nothing, and a library or a test that
-builds a model directly still sees them.
+torchrun starts and in every child a rank spawns): importing this module changes nothing, and a
+library or a test that builds a model directly still sees them.
 
 What the warnings said, :func:`backends_line` says in one line on rank 0, from what the run
 actually uses::
