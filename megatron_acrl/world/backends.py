@@ -72,17 +72,17 @@ def _version(dist_name: str) -> str:
 
 def megatron_backends() -> str:
     """Megatron-Core's version and the kernels it runs with here, e.g. ``megatron-core 0.16.1 (local
-    layers, torch norm, torch AdamW; no Transformer Engine, no Apex)``. Imports Megatron."""
-    from megatron.core import optimizer as mcore_optimizer
-
+    layers, torch norm, torch AdamW; no Transformer Engine, no Apex)``. Imports Megatron (through
+    :mod:`megatron_acrl.megatron`, the one room that imports ``megatron.core``)."""
     from megatron_acrl.megatron.model import use_transformer_engine
 
+    absent = [name for name, mod in _OPTIONAL if importlib.util.find_spec(mod) is None]
     # The layer spec's rule (megatron.model.layer_spec): TE layers carry TE's norm; the local spec
     # with RMSNorm uses torch's norm whether Apex is there or not.
     layers = "Transformer Engine layers" if use_transformer_engine() else "local layers, torch norm"
-    optim = "torch AdamW" if getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", True) else "fused Adam"
-    absent = [f"no {name}" for name, mod in _OPTIONAL if importlib.util.find_spec(mod) is None]
-    missing = f"; {', '.join(absent)}" if absent else ""
+    # megatron.core.optimizer's fallback order: TE's FusedAdam, else Apex's, else torch's AdamW.
+    optim = "torch AdamW" if len(absent) == len(_OPTIONAL) else "fused Adam"
+    missing = "; " + ", ".join(f"no {name}" for name in absent) if absent else ""
     return f"megatron-core {_version('megatron-core')} ({layers}, {optim}{missing})"
 
 
