@@ -187,8 +187,8 @@ def run(
     os.umask(0o077)
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args, lambda: stop.requested)
-        log0(backends_line(cfg, ctx.servers))  # rank 0: what the run uses, in one line
         try:
+            log0(backends_line(cfg, ctx.servers))  # rank 0: what the run uses, in one line
             if prepare is not None:
                 prepare(ctx)
             state, step_dir = load_driver_state(ctx)
