@@ -18,6 +18,14 @@ ends the step without them, and the run checkpoints that boundary and stops the 
 
 from __future__ import annotations
 
+# The entry point, before Megatron is imported: in every rank torchrun starts (__main__) and in every
+# child a rank spawns (__mp_main__: multiprocessing's spawn re-runs this module, e.g. the checkpoint
+# writer's helper); an import of this module filters nothing.
+if __name__ in ("__main__", "__mp_main__"):
+    from megatron_acrl.world.backends import quiet_absent_backends
+
+    quiet_absent_backends()  # Megatron's "Transformer Engine / Apex not installed" at its import
+
 import argparse
 import os
 import sys
@@ -38,6 +46,7 @@ from megatron_acrl.rollout.producer import Producer, make_producer
 from megatron_acrl.run.context import RunContext, setup_run
 from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.run.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
+from megatron_acrl.world.backends import backends_line
 from megatron_acrl.world.distributed import any_rank, log0
 from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
 from megatron_acrl.world.vote import StoppedWithoutServers
@@ -180,6 +189,7 @@ def run(
     with stop_on_signals() as stop:
         ctx = setup_run(cfg, args, lambda: stop.requested)
         try:
+            log0(backends_line(cfg, ctx.servers))  # rank 0: what the run uses, in one line
             if prepare is not None:
                 prepare(ctx)
             state, step_dir = load_driver_state(ctx)
