@@ -65,6 +65,21 @@ def _checkpoint(tmp: Path, step: int, versions: list[int] | None) -> Path:
     return root
 
 
+def test_a_lagged_checkpoint_is_judged_in_rl_versions_not_optimizer_steps(tmp_path):
+    """Issue #36: RL step 6 of a run with 4 optimizer steps per RL step is written as step_00000024;
+    its lag-2 sets hold versions [4, 5, 6], which every lag up to 2 can resume from."""
+    root = _checkpoint(tmp_path, 24, [4, 5, 6])
+    step_dir = root / "step_00000024"
+    torch.save({"driver": {"step": 6, "weight_version": 6}}, step_dir / "driver.pt")
+    for lag in (0, 1, 2):
+        check_resume(
+            load_config(CONFIG, [f"training.checkpoint_dir={root}", f"rollout.weight_lag_steps={lag}"])
+        )
+    longer = load_config(CONFIG, [f"training.checkpoint_dir={root}", "rollout.weight_lag_steps=3"])
+    msg = error_of(check_resume, longer)
+    assert "serves version 3 at step 6" in msg and "keeps only versions [4, 5, 6]" in msg and "<= 2" in msg
+
+
 def test_a_lag_the_checkpoint_cannot_serve_is_refused_up_front(tmp_path):
     root = _checkpoint(tmp_path, 5, [3, 4, 5])  # written with weight_lag_steps=2
     ok = load_config(CONFIG, [f"training.checkpoint_dir={root}", "rollout.weight_lag_steps=1"])

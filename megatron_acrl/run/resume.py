@@ -138,9 +138,9 @@ def check_resume(cfg: Config, step_dir: Path | None = None) -> None:
     step_dir = step_dir or resumable_step_dir(cfg, checksums=False, report=False)
     if step_dir is None:
         return
-    check_resumable(cfg, step_dir, int(step_dir.name.rsplit("_", 1)[1]))  # step_<n> (or .trash-step_<n>)
     driver = step_dir / "driver.pt"
     payload = torch.load(driver, weights_only=False) if driver.exists() else {}
+    check_resumable(cfg, step_dir, trainer_version_of(step_dir, payload))
     _refuse_changes(cfg, step_dir, payload.get("config"))
     pending = (payload.get("driver", {}).get("producer") or {}).get("pending")
     if pending and cfg.rollout.mode == "sync":
@@ -154,6 +154,17 @@ def check_resume(cfg: Config, step_dir: Path | None = None) -> None:
                 )
             ]
         )
+
+
+def trainer_version_of(step_dir: Path, payload: dict[str, Any]) -> int:
+    """The trainer's weight version (RL steps) a checkpoint holds: its driver state's, which the
+    lagged weight sets are numbered in. The step directory's number counts optimizer steps (RL steps
+    x optimizer steps per RL step), so it is only the fallback of a checkpoint without a driver
+    state (``step_<n>``, or ``.trash-step_<n>``)."""
+    version = (payload.get("driver") or {}).get("weight_version")
+    if version is None:
+        return int(step_dir.name.rsplit("_", 1)[1])
+    return parse_version(version) if isinstance(version, str) else int(version)
 
 
 def _refuse_overwrite(cfg: Config) -> None:
