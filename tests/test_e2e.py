@@ -295,6 +295,43 @@ def test_resume_continues_exactly(live):
                 assert rc[k] == v, (ra["step"], k)
 
 
+def test_a_lagged_run_resumes_exactly(live):
+    """Issue #36: a run with ``rollout.weight_lag_steps=2`` and 2 optimizer steps per RL step, stopped
+    by SIGTERM after RL step 3 (its checkpoint directory is step_00000006, its lag buffer versions
+    [1, 2, 3]), resumes (it was refused: the check compared optimizer steps with RL versions) and
+    continues exactly as the run that was never stopped."""
+    common = BASE + [
+        "logging.wandb_mode=disabled",
+        "training.save_interval=2",
+        "training.num_steps=4",
+        "rollout.weight_lag_steps=2",
+        "algorithm.num_minibatches=2",
+    ]
+    replay = ["--load-rollouts", str(live / "rollouts")]
+    ck = f"training.checkpoint_dir={live / 'ck-lag-b'}"
+    spec = [
+        {
+            "config": CONFIG,
+            "overrides": common + [f"training.checkpoint_dir={live / 'ck-lag-a'}"],
+            "args": ["--run-dir", str(live / "lag-a"), *replay],
+        },
+        {
+            "config": CONFIG,
+            "overrides": common + [ck],
+            "args": ["--run-dir", str(live / "lag-b"), *replay],
+            "faults": {"sigterm_at_train_step": 5},  # optimizer steps: RL step 3's first
+        },
+        {"config": CONFIG, "overrides": common + [ck], "args": ["--run-dir", str(live / "lag-c"), *replay]},
+    ]
+    run_spec(live, spec)
+    a, b, c = rows(live / "lag-a"), rows(live / "lag-b"), rows(live / "lag-c")
+    assert [x["step"] for x in b] == [1, 2, 3] and [x["step"] for x in c] == [4]
+    assert (live / "ck-lag-b" / "step_00000006").is_dir()  # optimizer steps name the directory
+    for k, v in a[3].items():
+        if not k.startswith(("time/", "perf/", "sync/seconds")):
+            assert c[0][k] == v, k
+
+
 def test_export_to_hf_safetensors(live):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
