@@ -128,12 +128,15 @@ class _FanOut:
     def _may_take(self, t: _Target) -> bool:
         """Whether ``t``'s idle slot takes the next request now: round-robin, whenever its own queue
         has one; least-outstanding, only if no serving target has fewer requests in flight (every
-        target below ``max_in_flight`` has an idle slot waiting, so the least loaded one takes it)."""
+        target below ``max_in_flight`` has an idle slot waiting, so the least loaded one takes it).
+        With no target left serving (the only one, or the router, failed) no slot takes anything:
+        the workers return and :meth:`run` raises ``ServerGoneError`` naming each target."""
         if not self._queue(t):
             return False
         if self.policy == "round_robin":
             return True
-        return t.in_flight <= min(x.in_flight for x in self.targets if not x.stats.failed)
+        serving = [x.in_flight for x in self.targets if not x.stats.failed]
+        return bool(serving) and t.in_flight <= min(serving)
 
     async def _timed_out(self, t: _Target, item: tuple[int, int, int], err: TimeoutError) -> bool:
         """A request timed out: a server that still answers (it was slow, or busy) gets it again,
