@@ -2,8 +2,10 @@
 generating while the trainer trains.
 
 It admits prompts as the staleness bound allows (:class:`~megatron_acrl.rollout.group_queue.GroupQueue`),
-sends their samples to the servers in batched ``/generate`` requests (the least loaded server
-first), scores each group as its last sample returns and hands it to the queue, from which the
+sends their samples in batched requests through the rollout backend
+(:meth:`~megatron_acrl.rollout.backend.RolloutBackend.generate_async`: the servers' one dispatch
+path, which picks the least loaded server, or sends through sglang-router with ``rollout.router:
+sglang``), scores each group as its last sample returns and hands it to the queue, from which the
 trainer's thread takes a step's batch (:meth:`GenerationEngine.wait_batch`). Requests keep running
 across weight updates: the synchronizer pauses the servers (``rollout.pause_mode``), loads the new
 weights and continues, and SGLang records which output tokens each version produced.
@@ -31,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.algo.advantages import dynamic_sampling_keep
 from megatron_acrl.config import ConfigError
+from megatron_acrl.rollout.backend import RolloutBackend, Sample
 from megatron_acrl.rollout.group_queue import GroupQueue
 from megatron_acrl.rollout.phase import encode_prompts, score_groups, shape_rewards
-from megatron_acrl.servers.handle import routed_experts_topk
 from megatron_acrl.tasks.base import Prompt
-from sglang_bridge.client import Sample, ServerGoneError, SGLangClient
+from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
     from megatron_acrl.run.context import RunContext
@@ -68,7 +70,8 @@ class PromptSource:
 
 
 class BusyClock:
-    """Per server: seconds with a request in flight and the servers not paused for a weight update."""
+    """Per dispatch target (a server, or the router): seconds with a request in flight and the
+    servers not paused for a weight update."""
 
     def __init__(self, n: int):
         self.total = [0.0] * n
@@ -94,7 +97,7 @@ class GenerationEngine:
     def __init__(self, ctx: RunContext, queue: GroupQueue, prompts: PromptSource, served_version: int):
         assert ctx.servers is not None
         self.ctx, self.cfg, self.queue, self.prompts = ctx, ctx.cfg, queue, prompts
-        self.servers = ctx.servers
+        self.servers: RolloutBackend = ctx.servers
         self.params = self.servers.sampling_params()
         self.cond = threading.Condition()
         self.served_version = served_version
@@ -110,11 +113,9 @@ class GenerationEngine:
         self.aborts: dict[Slot, int] = {}
         self.samples: dict[int, list[Sample | None]] = {}
         self.ids: dict[int, list[int]] = {}
-        self.in_flight: dict[str, int] = {u: 0 for u in self.servers.urls}
-        self.clock = BusyClock(len(self.servers.urls))
+        self.clock = BusyClock(len(self.servers.in_flight()))
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
-        self._clients: dict[str, SGLangClient] = {}
         self._loop = asyncio.new_event_loop()
         self._wake: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
@@ -220,17 +221,20 @@ class GenerationEngine:
 
     def _hold_locked(self, drain: bool) -> None:
         self.held += 1
-        while drain and any(self.in_flight.values()) and self.error is None and self.failure is None:
+        while drain and self._busy() and self.error is None and self.failure is None:
             self.cond.wait(timeout=1.0)
 
     def _restored_locked(self) -> None:
         self.restarts_seen = self.servers.restarts
         self.failure = None
-        self.in_flight = {u: self.in_flight.get(u, 0) for u in self.servers.urls}
         self._poke()
 
+    def _busy(self) -> bool:
+        """Whether a request is in flight (the backend counts it from the moment it is sent)."""
+        return any(self.servers.in_flight().values())
+
     def _tick(self) -> None:
-        self.clock.update([bool(n) and not self.paused for n in self.in_flight.values()])
+        self.clock.update([bool(n) and not self.paused for n in self.servers.in_flight().values()])
 
     def _poke(self) -> None:
         if self._wake is not None and not self._loop.is_closed():
@@ -275,7 +279,7 @@ class GenerationEngine:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
+            await self.servers.aclose()
 
     def _work(self) -> list[Slot]:
         """Samples to send now: lost ones after a restart, aborted ones, newly admitted groups."""
@@ -302,40 +306,26 @@ class GenerationEngine:
         per = self.cfg.rollout.samples_per_request
         for lo in range(0, len(work), per):
             chunk = work[lo : lo + per]
+            # Sent (and counted in flight by the backend) now: a hold that waits for nothing in
+            # flight never misses a request whose task has not started yet.
+            sent = self.servers.generate_async([self.ids[gid] for gid, _ in chunk], self.params)
             with self.cond:
-                url = min(self.servers.urls, key=lambda u: self.in_flight.get(u, 0))
-                self.in_flight[url] = self.in_flight.get(url, 0) + len(chunk)
                 self._tick()
-            task = asyncio.ensure_future(self._request(url, chunk))
+            task = asyncio.ensure_future(self._request(sent, chunk))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _client(self, url: str) -> SGLangClient:
-        if url not in self._clients:
-            r = self.cfg.rollout
-            self._clients[url] = SGLangClient(
-                url,
-                api_key=self.servers.api_key,
-                timeout_s=r.request_timeout_s,
-                max_concurrency=r.max_concurrency,
-                routed_experts_topk=routed_experts_topk(self.cfg),
-            )
-        return self._clients[url]
-
-    async def _request(self, url: str, chunk: list[Slot]) -> None:
-        """One batched ``/generate`` for ``chunk``; its samples go to their groups."""
+    async def _request(self, sent: asyncio.Future[list[Sample]], chunk: list[Slot]) -> None:
+        """Wait for one batched request of ``chunk``; its samples go to their groups."""
         try:
-            prompts = [self.ids[gid] for gid, _ in chunk]
-            out = await self._client(url).generate_batch(prompts, [self.params] * len(chunk))
+            out = await sent
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a server gone (resubmit after restart) or fatal
-            self._failed(url, chunk, e)
+            self._failed(chunk, e)
             return
         finally:
             with self.cond:
-                if url in self.in_flight:  # else: a server replaced since (its count went with it)
-                    self.in_flight[url] = max(0, self.in_flight[url] - len(chunk))
                 self._tick()
                 self.cond.notify_all()
         try:
@@ -346,12 +336,12 @@ class GenerationEngine:
                 self.error = e
                 self.cond.notify_all()
 
-    def _failed(self, url: str, chunk: list[Slot], e: Exception) -> None:
+    def _failed(self, chunk: list[Slot], e: Exception) -> None:
         with self.cond:
             if isinstance(e, ServerGoneError | TimeoutError) or self.servers.dead_servers():
                 self.lost += chunk
                 if self.failure is None:
-                    self.failure = f"{url}: {type(e).__name__}: {e}"
+                    self.failure = f"{type(e).__name__}: {e}"
             else:
                 self.error = e
             self.cond.notify_all()

@@ -27,13 +27,18 @@ A run owns what it starts: its servers and its clients hold one key (:func:`run_
 ``rollout.server_urls``, and those only when they answer with its key and refuse anyone without it;
 a fixed ``rollout.base_port`` another process holds is refused, naming that process.
 
-Generation fans the groups out (:func:`generate_groups`): one request per group (a prompt's n
-samples), either to the server with the fewest requests in flight (``rollout.router: none``) or
-through an sglang-router the servers sit behind (``rollout.router: sglang``, started here with the
-servers' API key). A server that dies mid-rollout loses no group: its groups go to the others (the
-router retries them itself), it is taken out of rotation at once, and only after its restart *and*
-a weight sync (:meth:`RolloutServers.update_weights`) does it serve again, so a restarted server
-never samples with the initial weights.
+:class:`RolloutServers` is the rollout layer's backend
+(:class:`megatron_acrl.rollout.backend.RolloutBackend`, implemented structurally). Every generation
+request, sync mode's batches of groups (:meth:`RolloutServers.generate`) and the async engine's
+batched requests (:meth:`RolloutServers.generate_async`) alike, goes through one dispatch path
+(:class:`megatron_acrl.servers.dispatch.Dispatch`: the clients and the in-flight count) to the same
+targets (:meth:`RolloutServers.targets`): the server with the fewest samples in flight
+(``rollout.router: none``), or the sglang-router the servers sit behind (``rollout.router: sglang``,
+started here with the servers' API key), which then picks the server. A server that dies mid-rollout
+loses no group of a blocking generation: its groups go to the others (the router retries them
+itself), it is taken out of rotation at once, and only after its restart *and* a weight sync
+(:meth:`RolloutServers.update_weights`) does it serve again, so a restarted server never samples with
+the initial weights.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any
 import torch
 
 from megatron_acrl.config import Config, ConfigError, RolloutConfig
+from megatron_acrl.servers.dispatch import Dispatch, LoadTally
 from megatron_acrl.servers.recovery import ServerRecovery
 from megatron_acrl.servers.transfer import (
     Meta,
@@ -59,8 +65,8 @@ from megatron_acrl.servers.transfer import (
     sync_address,
     weights_for_servers,
 )
-from sglang_bridge.client import SamplingParams, ServerGoneError, SGLangClient
-from sglang_bridge.fanout import FanOutResult, fan_out
+from sglang_bridge.client import Sample, SamplingParams, ServerGoneError, SGLangClient
+from sglang_bridge.fanout import FanOutResult
 from sglang_bridge.fp8 import served_fp8_checkpoint
 from sglang_bridge.listeners import port_holder, port_is_free
 from sglang_bridge.router import LoadSampler, RouterSpec, SGLangRouter
@@ -139,23 +145,6 @@ ROUTING_POLICY_CODE = {
 """``rollout/router_policy``: the routing in effect (least_outstanding is the driver's own fan-out)."""
 
 
-async def generate_groups(
-    clients: Sequence[Any],
-    prompt_ids: Sequence[Sequence[int]],
-    params: Any,
-    n: int,
-    *,
-    max_in_flight: int = 64,
-    samples_per_request: int | None = None,
-) -> FanOutResult:
-    """``n`` samples per prompt, one request per group, each to the client (a server, or the router)
-    with the fewest requests in flight (:func:`sglang_bridge.fanout.fan_out`); ``result.groups[i]``
-    holds prompt i's samples."""
-    return await fan_out(
-        clients, prompt_ids, params, n, max_in_flight=max_in_flight, samples_per_request=samples_per_request
-    )
-
-
 def router_spec(r: RolloutConfig, urls: Sequence[str], api_key: str | None) -> RouterSpec:
     """The sglang-router in front of ``urls``: ``rollout.router_policy``, its port, the servers' key and
     ``rollout.router_timeout_s`` (else request_timeout_s) in the whole seconds the router takes."""
@@ -226,7 +215,9 @@ class RolloutServers(ServerRecovery):
         self._connect()
         self.router: SGLangRouter | None = None
         self._routed: set[str] = set()  # the URLs the router routes to (hold the current weights)
-        self._load = _LoadTally({u: k for k, u in enumerate(self.urls)})
+        self._load = LoadTally({u: k for k, u in enumerate(self.urls)})
+        self.dispatch = Dispatch(self._client)
+        """The one dispatch path of every generation request (module doc)."""
         if r.router == "sglang":
             self.router = self._start_router()
 
@@ -331,47 +322,101 @@ class RolloutServers(ServerRecovery):
             seed=seed,
         )
 
+    def targets(self) -> list[str]:
+        """Where generation requests go now: the router alone (``rollout.router: sglang``), else the
+        servers still running (a dead one is restarted at the next weight update; all of them when
+        none runs, so that the request fails and names them). Raises :class:`ServerGoneError` when
+        the router exited."""
+        if self.router is not None:
+            if not self.router.alive():
+                raise ServerGoneError(f"sglang-router exited (log {self.router.log_path})")
+            return [self.router.url]
+        dead = set(self.dead_servers())
+        return [u for i, u in enumerate(self.urls) if i not in dead] or self.urls
+
+    def _cap(self) -> int:
+        """Requests one target holds at once: a server's ``rollout.max_concurrency``, or through the
+        router every routed server's share together."""
+        per = self.cfg.rollout.max_concurrency
+        return max(1, per * (len(self._routed) if self.router is not None else 1))
+
+    def _client(self, url: str, cap: int) -> SGLangClient:
+        r = self.cfg.rollout
+        return SGLangClient(
+            url,
+            api_key=self.api_key,
+            timeout_s=r.request_timeout_s,
+            max_concurrency=cap,
+            routed_experts_topk=routed_experts_topk(self.cfg),
+        )
+
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
-    ) -> list[list[Any]]:
+    ) -> list[list[Sample]]:
         """``n`` samples per prompt over all servers (directly or through the router).
 
         A server that dies mid-rollout loses no group (see the module doc); raises
         :class:`ServerGoneError` only when no server is left to take them."""
-        r = self.cfg.rollout
-        if self.router is not None and not self.router.alive():
-            raise ServerGoneError(f"sglang-router exited (log {self.router.log_path})")
-        # Through the router: one client with every server's share of requests in flight. Direct:
-        # the servers still running (a dead one is restarted at the next weight update).
-        dead = set(self.dead_servers())
-        live = [u for i, u in enumerate(self.urls) if i not in dead] or self.urls
-        targets = [self.router.url] if self.router is not None else live
-        cap = r.max_concurrency * (len(self._routed) if self.router is not None else 1)
+        targets, cap = self.targets(), self._cap()
+        per = self.cfg.rollout.samples_per_request
 
         async def run() -> tuple[FanOutResult, dict[str, float]]:
-            clients = [
-                SGLangClient(
-                    u,
-                    api_key=self.api_key,
-                    timeout_s=r.request_timeout_s,
-                    max_concurrency=max(cap, 1),
-                    routed_experts_topk=routed_experts_topk(self.cfg),
-                )
-                for u in targets
-            ]
             try:
-                kw = dict(max_in_flight=max(cap, 1), samples_per_request=r.samples_per_request)
+                go = self.dispatch.fan_out(targets, prompt_ids, params, n, cap=cap, samples_per_request=per)
                 if self.router is None:
-                    return await generate_groups(clients, prompt_ids, params, n, **kw), {}
+                    return await go, {}
                 async with LoadSampler(self.router, on_tick=self._drop_dead_from_router) as loads:
-                    result = await generate_groups(clients, prompt_ids, params, n, **kw)
+                    result = await go
                 return result, loads.means()
             finally:
-                await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+                await self.dispatch.aclose()
 
         result, router_loads = asyncio.run(run())
         self._load.add(result, router_loads, routed=self.router is not None)
         return result.groups
+
+    def generate_async(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> asyncio.Future[list[Sample]]:
+        """One batched request (one sample per prompt) sent now from the running event loop, through
+        the same targets, clients and count as :meth:`generate`; the future holds the samples, or
+        the error (a dead router's :class:`ServerGoneError` too)."""
+        try:
+            targets = self.targets()
+        except ServerGoneError as e:
+            failed: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(e)
+            return failed
+        return self.dispatch.send(targets, prompt_ids, params, cap=self._cap())
+
+    def in_flight(self) -> dict[str, int]:
+        """Samples in flight on each dispatch target: the router, or every server (dead ones too)."""
+        return self.dispatch.in_flight([self.router.url] if self.router is not None else self.urls)
+
+    async def aclose(self) -> None:
+        """Close the calling event loop's clients (the async engine, when it stops)."""
+        await self.dispatch.aclose()
+
+    def pause(self, mode: str = "retract") -> None:
+        """Pause generation on every live server (``rollout.pause_mode``'s modes); a weight sync
+        pauses and continues on its own."""
+        self._each_live_server(lambda c: c.pause_generation(mode))  # type: ignore[arg-type]
+
+    def resume(self) -> None:
+        """Continue generation on every live server."""
+        self._each_live_server(lambda c: c.continue_generation())
+
+    def _each_live_server(self, call: Any) -> None:
+        dead = set(self.dead_servers())
+        urls = [u for i, u in enumerate(self.urls) if i not in dead]
+
+        async def run() -> None:
+            try:
+                await asyncio.gather(*(call(self.dispatch.client(u, 1)) for u in urls))
+            finally:
+                await self.dispatch.aclose()
+
+        asyncio.run(run())
 
     def load_metrics(self) -> dict[str, float]:
         """Routing and per-server load since the last call (then reset): ``rollout/router_policy``
@@ -416,14 +461,11 @@ class RolloutServers(ServerRecovery):
         weights); raises :class:`ServerGoneError` if it died."""
 
         async def run() -> list[list[float]]:
-            r = self.cfg.rollout
-            async with SGLangClient(
-                self.urls[0],
-                api_key=self.api_key,
-                timeout_s=r.request_timeout_s,
-                max_concurrency=r.max_concurrency,
-            ) as client:
+            try:
+                client = self.dispatch.client(self.urls[0], self.cfg.rollout.max_concurrency)
                 return await client.score(sequences, target_lens)
+            finally:
+                await self.dispatch.aclose()
 
         return asyncio.run(run())
 
@@ -475,45 +517,3 @@ class RolloutServers(ServerRecovery):
         for s in self.servers:
             s.stop()
         self.servers = []
-
-
-class _LoadTally:
-    """Per-server load of the fan-outs since the last :meth:`take` (``index``: URL -> server k)."""
-
-    def __init__(self, index: dict[str, int]):
-        self.index = index
-        self._clear()
-
-    def _clear(self) -> None:
-        self.seconds = 0.0
-        self.load_s: dict[int, float] = {}
-        self.samples: dict[int, float] = {}
-        self.requeued = 0
-        self.timeouts = 0
-
-    def add(self, result: FanOutResult, router_loads: dict[str, float], routed: bool) -> None:
-        self.seconds += result.seconds
-        self.requeued += result.requeued
-        self.timeouts += result.timeouts
-        if routed:  # through the router: its sampled per-worker counts (0 where none was seen)
-            for url, k in self.index.items():
-                self.load_s[k] = self.load_s.get(k, 0.0) + router_loads.get(url, 0.0) * result.seconds
-            return
-        for st in result.stats:
-            k = self.index.get(st.url)
-            if k is not None:
-                self.load_s[k] = self.load_s.get(k, 0.0) + st.load_s
-                self.samples[k] = self.samples.get(k, 0.0) + st.samples
-
-    def take(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if self.seconds > 0 and self.load_s:
-            loads = {k: v / self.seconds for k, v in sorted(self.load_s.items())}
-            out.update({f"rollout/server_load/{k}": v for k, v in loads.items()})
-            mean = sum(loads.values()) / len(loads)
-            out["rollout/load_imbalance"] = max(loads.values()) / mean if mean > 0 else 1.0
-        out.update({f"rollout/server_samples/{k}": v for k, v in sorted(self.samples.items())})
-        out["rollout/requeued"] = float(self.requeued)
-        out["rollout/timeouts"] = float(self.timeouts)
-        self._clear()
-        return out

@@ -1,0 +1,164 @@
+"""The one dispatch path of the rollout servers' handle: every generation request, blocking or
+async, goes through :class:`Dispatch`.
+
+The handle (:class:`megatron_acrl.servers.handle.RolloutServers`) names the *targets* (the live
+servers, or the one sglang-router in front of them) and the requests each may hold; the dispatch
+owns the rest:
+
+* the clients, one per target and event loop (an aiohttp session belongs to the loop that made it:
+  a blocking generation runs its own loop and closes its clients after; the async engine keeps its
+  loop's clients until it closes);
+* the in-flight count, samples per target, that both ways keep: :meth:`Dispatch.fan_out` (a whole
+  batch of groups, :func:`sglang_bridge.fanout.fan_out`, least outstanding first, a dead target's
+  groups to the others) and :meth:`Dispatch.send` (one batched request to the target with the fewest
+  samples in flight, counted at the call, so a caller that waits for "nothing in flight" never
+  misses a request that has not started yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sglang_bridge.fanout import FanOutResult, fan_out
+from sglang_bridge.samples import Sample, SamplingParams
+
+
+class Dispatch:
+    """Clients and in-flight counts of the rollout requests (module doc).
+
+    Args:
+        new_client: ``(url, max_concurrency) -> client`` (an :class:`sglang_bridge.client.SGLangClient`
+            or anything with its ``generate_group`` / ``generate_batch`` / ``health`` / ``aclose``).
+    """
+
+    def __init__(self, new_client: Callable[[str, int], Any]):
+        self._new_client = new_client
+        self._lock = threading.Lock()  # the engine's loop thread and the trainer's thread both count
+        self._counts: dict[str, int] = {}
+        self._clients: dict[asyncio.AbstractEventLoop, dict[str, Any]] = {}
+
+    def client(self, url: str, cap: int) -> Any:
+        """The running event loop's client of ``url`` (made on first use, holding ``cap`` requests)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            mine = self._clients.setdefault(loop, {})
+            if url not in mine:
+                mine[url] = self._new_client(url, cap)
+            return mine[url]
+
+    async def aclose(self) -> None:
+        """Close the running event loop's clients."""
+        with self._lock:
+            mine = self._clients.pop(asyncio.get_running_loop(), {})
+        await asyncio.gather(*(c.aclose() for c in mine.values()), return_exceptions=True)
+
+    def count(self, url: str, samples: int) -> None:
+        """``samples`` more (or, negative, fewer) in flight on ``url``."""
+        with self._lock:
+            self._counts[url] = max(0, self._counts.get(url, 0) + samples)
+
+    def in_flight(self, slots: Sequence[str]) -> dict[str, int]:
+        """Samples in flight on each of ``slots`` (0 where none was sent)."""
+        with self._lock:
+            return {u: self._counts.get(u, 0) for u in slots}
+
+    async def fan_out(
+        self,
+        targets: Sequence[str],
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        n: int,
+        *,
+        cap: int,
+        samples_per_request: int | None,
+    ) -> FanOutResult:
+        """``n`` samples of each prompt over ``targets``, ``cap`` requests in flight on each
+        (:func:`sglang_bridge.fanout.fan_out`); ``result.groups[i]`` holds prompt i's."""
+        clients = [_Counted(self, self.client(u, cap)) for u in targets]
+        return await fan_out(
+            clients, prompt_ids, params, n, max_in_flight=cap, samples_per_request=samples_per_request
+        )
+
+    def send(
+        self, targets: Sequence[str], prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, cap: int
+    ) -> asyncio.Future[list[Sample]]:
+        """One batched ``/generate`` of one sample per prompt, to the target with the fewest samples
+        in flight; counted now, uncounted when it ends (also cancelled before it started)."""
+        k = len(prompt_ids)
+        with self._lock:
+            url = min(targets, key=lambda u: self._counts.get(u, 0))
+            self._counts[url] = self._counts.get(url, 0) + k
+        try:
+            request = self.client(url, cap).generate_batch(prompt_ids, [params] * k)
+        except BaseException:
+            self.count(url, -k)
+            raise
+        task = asyncio.ensure_future(request)
+        task.add_done_callback(lambda _t: self.count(url, -k))
+        return task
+
+
+class _Counted:
+    """A client whose group requests count in :class:`Dispatch`'s in-flight tally (what
+    :func:`~sglang_bridge.fanout.fan_out` calls)."""
+
+    def __init__(self, dispatch: Dispatch, client: Any):
+        self._dispatch = dispatch
+        self._client = client
+        self.url = client.url
+
+    async def generate_group(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Sample]:
+        self._dispatch.count(self.url, n)
+        try:
+            return await self._client.generate_group(prompt_ids, params, n)
+        finally:
+            self._dispatch.count(self.url, -n)
+
+    async def health(self) -> bool:
+        health = getattr(self._client, "health", None)
+        return bool(await health()) if health is not None else False
+
+
+class LoadTally:
+    """Per-server load of the fan-outs since the last :meth:`take` (``index``: URL -> server k)."""
+
+    def __init__(self, index: dict[str, int]):
+        self.index = index
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seconds = 0.0
+        self.load_s: dict[int, float] = {}
+        self.samples: dict[int, float] = {}
+        self.requeued = 0
+        self.timeouts = 0
+
+    def add(self, result: FanOutResult, router_loads: dict[str, float], routed: bool) -> None:
+        self.seconds += result.seconds
+        self.requeued += result.requeued
+        self.timeouts += result.timeouts
+        if routed:  # through the router: its sampled per-worker counts (0 where none was seen)
+            for url, k in self.index.items():
+                self.load_s[k] = self.load_s.get(k, 0.0) + router_loads.get(url, 0.0) * result.seconds
+            return
+        for st in result.stats:
+            j = self.index.get(st.url)
+            if j is not None:
+                self.load_s[j] = self.load_s.get(j, 0.0) + st.load_s
+                self.samples[j] = self.samples.get(j, 0.0) + st.samples
+
+    def take(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.seconds > 0 and self.load_s:
+            loads = {k: v / self.seconds for k, v in sorted(self.load_s.items())}
+            out.update({f"rollout/server_load/{k}": v for k, v in loads.items()})
+            mean = sum(loads.values()) / len(loads)
+            out["rollout/load_imbalance"] = max(loads.values()) / mean if mean > 0 else 1.0
+        out.update({f"rollout/server_samples/{k}": v for k, v in sorted(self.samples.items())})
+        out["rollout/requeued"] = float(self.requeued)
+        out["rollout/timeouts"] = float(self.timeouts)
+        self._clear()
+        return out
