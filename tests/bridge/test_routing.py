@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,3 +225,51 @@ def test_a_dead_router_is_started_again(routed: RolloutServers) -> None:
     assert set(routed.router.workers()) == set(routed.urls)
     groups = routed.generate(PROMPTS[:4], 2, SamplingParams(max_new_tokens=4))
     assert [len(g) for g in groups] == [2] * 4
+
+
+def test_an_async_run_generates_through_the_router(routed: RolloutServers, tiny_ckpt: Path) -> None:
+    """``rollout.mode: async`` with ``rollout.router: sglang``: the generation engine asks the backend,
+    whose one dispatch path sends every request to the router it started (each sample names the URL
+    its request went to; before issue #32 the engine picked the servers' own URLs and bypassed it)."""
+    from fake_backend import make_ctx
+    from transformers import AutoTokenizer
+
+    from megatron_acrl.rollout.engine import GenerationEngine, PromptSource
+    from megatron_acrl.rollout.group_queue import GroupQueue
+
+    router = routed.router
+    assert router is not None
+    routed.update_weights(_weights(tiny_ckpt, 1.0).items(), "step-0")  # a version of the run's sequence
+    sent_to: list[str] = []
+
+    class Recording:
+        """``routed``, noting where each async request's samples came from."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(routed, name)
+
+        def generate_async(self, prompt_ids: Any, params: Any) -> Any:
+            sent = routed.generate_async(prompt_ids, params)
+            sent.add_done_callback(
+                lambda f: (
+                    sent_to.extend(s.server for s in f.result())
+                    if not f.cancelled() and f.exception() is None
+                    else None
+                )
+            )
+            return sent
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_ckpt))
+    ctx = make_ctx(Recording(), ["rollout.mode=async"], tokenizer=tokenizer)
+    assert ctx.prompt_stream is not None
+    engine = GenerationEngine(
+        ctx, GroupQueue(batch_groups=2, max_staleness=1), PromptSource(ctx.prompt_stream, 0, 0, []), 0
+    )
+    engine.start()
+    try:
+        kind, taken = engine.wait_batch(0)
+    finally:
+        engine.close()
+    assert kind == "ok" and len(taken.groups) == 2
+    assert sent_to and set(sent_to) == {router.url}
+    assert set(router.workers()) == set(routed.urls)  # the router spread them over its servers
