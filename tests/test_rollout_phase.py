@@ -10,6 +10,7 @@ import torch
 from fake_backend import CharTokenizer, FakeBackend, addition_answer, make_ctx
 
 from megatron_acrl.rollout.backend import RolloutBackend
+from megatron_acrl.rollout.evaluate import evaluate
 from megatron_acrl.rollout.phase import collect_rollouts, sample_groups
 from megatron_acrl.rollout.producer import SyncProducer, make_producer
 from megatron_acrl.run.resume import DriverState
@@ -84,3 +85,12 @@ def test_sync_producer_serves_each_published_version() -> None:
     assert not set(first.group_ids.tolist()) & set(second.group_ids.tolist())
     versions = second.token_versions
     assert versions is not None and torch.equal(versions[versions >= 0].unique(), torch.tensor([1]))
+
+
+def test_evaluation_generates_through_the_backend() -> None:
+    backend = FakeBackend()
+    ctx = make_ctx(backend, ["task.heldout_fraction=0.2", "task.eval_size=3", "training.eval_samples=2"])
+    m = evaluate(ctx, 0, "step-0")
+    assert m["eval/accuracy"] == 1.0 and m["eval/sampled_reward"] == 0.5  # greedy is sample 0: right
+    assert m["eval/response_length"] >= 2  # a digit or two, then EOS
+    assert [len(r) for r in backend.requests] == [3, 3]  # the held-out prompts, the fixed train ones

@@ -30,6 +30,7 @@ from megatron_acrl.rollout.phase import encode_prompts, score_groups
 from megatron_acrl.tasks.base import Prompt, Task
 
 if TYPE_CHECKING:
+    from megatron_acrl.rollout.backend import RolloutBackend
     from megatron_acrl.run.context import RunContext
 
 
@@ -58,9 +59,9 @@ def evaluate(
 def _evaluate_served(ctx: RunContext, prefix: str) -> dict[str, float]:
     """Rank 0: ``<prefix>/accuracy``, ``<prefix>/response_length`` and ``<prefix>/sampled_reward`` of
     whatever the servers hold now."""
-    servers = ctx.servers
-    if ctx.rank != 0 or servers is None:
+    if ctx.rank != 0 or ctx.servers is None:
         return {}
+    servers: RolloutBackend = ctx.servers
     cfg, m = ctx.cfg, {}
 
     def scored(prompts: list[Prompt], n: int, params: Any) -> RolloutBatch:

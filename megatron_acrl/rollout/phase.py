@@ -24,6 +24,7 @@ from megatron_acrl.world.vote import ERROR, NO_VERDICT, OK, RETRY, STOPPED, Verd
 from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
+    from megatron_acrl.rollout.backend import RolloutBackend
     from megatron_acrl.run.context import RunContext
     from megatron_acrl.run.resume import DriverState
 
@@ -108,8 +109,10 @@ def score_groups(
 
 
 def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
-    """Rank 0: sample ``rollout.n_samples_per_prompt`` completions of each prompt and score them."""
+    """Rank 0: sample ``rollout.n_samples_per_prompt`` completions of each prompt from the rollout
+    backend (:class:`~megatron_acrl.rollout.backend.RolloutBackend`) and score them."""
     assert ctx.servers is not None
+    servers: RolloutBackend = ctx.servers
     cfg = ctx.cfg
     ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
     # No per-request sampling seeds: SGLang 0.5.23 reads `sampling_seed` only under
@@ -118,8 +121,8 @@ def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> R
     # other completions on a second request, and groups were as diverse as with the server's RNG,
     # 4.1-4.4 distinct of 8 either way). The servers' own RNG (--random-seed) is used; exact reruns
     # of the trainer side go through --save-rollouts / --load-rollouts.
-    params = ctx.servers.sampling_params()
-    groups = ctx.servers.generate(ids, cfg.rollout.n_samples_per_prompt, params)
+    params = servers.sampling_params()
+    groups = servers.generate(ids, cfg.rollout.n_samples_per_prompt, params)
     return score_groups(
         ctx.task,
         ctx.tokenizer,

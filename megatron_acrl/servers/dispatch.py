@@ -12,7 +12,8 @@ owns the rest:
   batch of groups, :func:`sglang_bridge.fanout.fan_out`, least outstanding first, a dead target's
   groups to the others) and :meth:`Dispatch.send` (one batched request to the target with the fewest
   samples in flight, counted at the call, so a caller that waits for "nothing in flight" never
-  misses a request that has not started yet).
+  misses a request that has not started yet). Through sglang-router, which takes one prompt per
+  request, the samples of one prompt go as one request with ``n`` instead (:func:`by_prompt`).
 """
 
 from __future__ import annotations
@@ -83,22 +84,47 @@ class Dispatch:
         )
 
     def send(
-        self, targets: Sequence[str], prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, cap: int
+        self,
+        targets: Sequence[str],
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        cap: int,
+        batched: bool = True,
     ) -> asyncio.Future[list[Sample]]:
-        """One batched ``/generate`` of one sample per prompt, to the target with the fewest samples
-        in flight; counted now, uncounted when it ends (also cancelled before it started)."""
+        """One sample per prompt from the target with the fewest samples in flight, in one batched
+        ``/generate`` (``batched``), else in one request per run of equal prompts (:func:`by_prompt`);
+        counted now, uncounted when it ends (also cancelled before it started)."""
         k = len(prompt_ids)
         with self._lock:
             url = min(targets, key=lambda u: self._counts.get(u, 0))
             self._counts[url] = self._counts.get(url, 0) + k
         try:
-            request = self.client(url, cap).generate_batch(prompt_ids, [params] * k)
+            client = self.client(url, cap)
+            if batched:
+                request = client.generate_batch(prompt_ids, [params] * k)
+            else:
+                request = by_prompt(client, prompt_ids, params)
         except BaseException:
             self.count(url, -k)
             raise
         task = asyncio.ensure_future(request)
         task.add_done_callback(lambda _t: self.count(url, -k))
         return task
+
+
+async def by_prompt(client: Any, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+    """One sample per prompt, each run of equal consecutive prompts (a group's samples) in one
+    request with SGLang's ``n``: what sglang-router takes (0.3.2 refuses a batch of prompts in one
+    ``/generate``, HTTP 422). ``result[i]`` is prompt i's."""
+    runs: list[tuple[Sequence[int], int]] = []
+    for p in prompt_ids:
+        if runs and list(runs[-1][0]) == list(p):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    parts = await asyncio.gather(*(client.generate_group(p, params, n) for p, n in runs))
+    return [s for part in parts for s in part]
 
 
 class _Counted:

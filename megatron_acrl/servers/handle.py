@@ -387,7 +387,8 @@ class RolloutServers(ServerRecovery):
             failed: asyncio.Future[list[Sample]] = asyncio.get_running_loop().create_future()
             failed.set_exception(e)
             return failed
-        return self.dispatch.send(targets, prompt_ids, params, cap=self._cap())
+        # sglang-router takes one prompt per /generate (a group's samples as one request with n)
+        return self.dispatch.send(targets, prompt_ids, params, cap=self._cap(), batched=self.router is None)
 
     def in_flight(self) -> dict[str, int]:
         """Samples in flight on each dispatch target: the router, or every server (dead ones too)."""
