@@ -1,8 +1,9 @@
 """An in-memory rollout backend for fast unit tests of the rollout layer (no server, no torchrun).
 
 :class:`FakeBackend` implements :class:`megatron_acrl.rollout.backend.RolloutBackend` and the
-weight-update half :meth:`megatron_acrl.run.context.RunContext.push_weights` calls
-(``update_weights``, ``recover``), so a real :class:`RunContext` with it as ``ctx.servers`` runs the
+weight-update half :class:`megatron_acrl.servers.publisher.WeightPublisher` calls
+(``update_weights``, ``recover``), so a real :class:`RunContext` with it as ``ctx.servers`` (and a
+real :class:`~megatron_acrl.servers.publisher.WeightPublisher` over it) runs the
 producer, the rollout phase and the generation engine as a run would:
 
 * deterministic samples: ``answer(prompt_ids, k)`` gives sample k's text tokens (default: the right
@@ -35,6 +36,7 @@ import torch
 from megatron_acrl.batch.staleness import format_version
 from megatron_acrl.config import load_config
 from megatron_acrl.run.context import RunContext, prompt_stream
+from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.tasks import make_task
 from sglang_bridge.samples import Sample, SamplingParams
 from sglang_bridge.transport import ServerGoneError
@@ -301,7 +303,7 @@ def make_ctx(
         ],
     )
     task = make_task(cfg.task)
-    return RunContext(
+    ctx = RunContext(
         cfg=cfg,
         args=argparse.Namespace(load_rollouts=None, save_rollouts=None),
         rank=0,
@@ -314,3 +316,5 @@ def make_ctx(
         servers=backend,
         prompt_stream=prompt_stream(task, cfg.training.seed),
     )
+    ctx.publisher = WeightPublisher(cfg, 0, ctx.policy, backend, stopping=ctx.stopping)
+    return ctx
