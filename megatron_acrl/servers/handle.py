@@ -361,12 +361,14 @@ class RolloutServers(ServerRecovery):
         per = self.cfg.rollout.samples_per_request
 
         async def run() -> tuple[FanOutResult, dict[str, float]]:
+            def go() -> Any:
+                return self.dispatch.fan_out(targets, prompt_ids, params, n, cap=cap, samples_per_request=per)
+
             try:
-                go = self.dispatch.fan_out(targets, prompt_ids, params, n, cap=cap, samples_per_request=per)
                 if self.router is None:
-                    return await go, {}
+                    return await go(), {}
                 async with LoadSampler(self.router, on_tick=self._drop_dead_from_router) as loads:
-                    result = await go
+                    result = await go()
                 return result, loads.means()
             finally:
                 await self.dispatch.aclose()
