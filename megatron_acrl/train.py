@@ -76,8 +76,11 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
             tb["ref_logprobs"] = policy.forward_logprobs(tb, reference=True)["logprobs"]
         if ctx.critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages
             tb["values"] = ctx.critic.forward_values(tb)["values"]
-        tb["advantages"], adv_m = compute_advantages(tb, cfg)
-        m.update(adv_m)
+        adv = compute_advantages(tb, cfg)  # PPO: also the critic's targets, returned
+        tb["advantages"] = adv.advantages
+        if adv.returns is not None:
+            tb["returns"] = adv.returns
+        m.update(adv.metrics)
         m.update(policy.update_controller(tb, trainer_version=step))  # ACRL: once per rollout batch
         t2 = time.perf_counter()
         for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
