@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_acrl.algo.losses import PolicyLoss
 from megatron_acrl.config import Config
 from megatron_acrl.correction import (
     AcrlController,
@@ -31,7 +32,7 @@ from megatron_acrl.correction import (
 )
 from megatron_acrl.megatron import checkpoint, convert, hf_io
 from megatron_acrl.megatron.base import ModelTrainer
-from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn
+from megatron_acrl.megatron.loss_adapter import LossAdapter
 from megatron_acrl.megatron.model import build_model_chunks, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import (
     RoutingReplay,
@@ -51,7 +52,8 @@ class Policy(ModelTrainer):
     Args:
         cfg: the run configuration.
         pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
-        loss_fn: the pure loss (default ``megatron_acrl.algo.losses.rl_loss``).
+        loss_fn: the pure loss, its settings bound (default ``megatron_acrl.algo.losses.RLLoss``
+            of the config; the SFT warm start passes ``sft_loss``).
         total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
             num_minibatches``).
     """
@@ -61,7 +63,7 @@ class Policy(ModelTrainer):
         cfg: Config,
         *,
         pg_collection: ProcessGroupCollection | None = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: PolicyLoss | None = None,
         total_steps: int | None = None,
     ) -> None:
         super().__init__(cfg, pg_collection=pg_collection, total_steps=total_steps)
