@@ -3,7 +3,7 @@
 Run it under ``torchrun`` (or ``srun``) for several trainer ranks; rank 0 drives the loop and owns the
 rollout servers, every rank trains. One step::
 
-    batch (generate -> reward) -> pi_old log-probs -> advantages -> controller -> train -> publish
+    batch (generate -> reward) -> prepare (pi_old log-probs, advantages, controller) -> train -> publish
 
 The batch comes from the rollout producer (:mod:`megatron_acrl.rollout.producer`): generated now
 (``rollout.mode: sync``) or taken from the queue the servers keep filling while the trainer trains
@@ -33,11 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
-from megatron_acrl.algo.advantages import compute_advantages
 from megatron_acrl.batch.rollout_batch import RolloutBatch, minibatches
 from megatron_acrl.batch.staleness import staleness_metrics
+from megatron_acrl.batch.train_batch import TrainBatch
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.logging import thread_clock
@@ -66,19 +64,9 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
             log0(str(stopped))
             break
         t1, c1 = time.perf_counter(), thread_clock()
-        tb = batch.tensors()
-        old = policy.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
-        tb["old_logprobs"] = old["logprobs"]
-        if "recorded_experts" in old:  # R2: the training pass replays this pass's routing
-            tb["recorded_experts"] = old["recorded_experts"]
-        m.update(policy.routing_metrics(tb))  # MoE: trainer-vs-rollout routing mismatch
-        if cfg.algorithm.kl_coef > 0:
-            tb["ref_logprobs"] = policy.forward_logprobs(tb, reference=True)["logprobs"]
-        if ctx.critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages
-            tb["values"] = ctx.critic.forward_values(tb)["values"]
-        tb["advantages"], adv_m = compute_advantages(tb, cfg)
-        m.update(adv_m)
-        m.update(policy.update_controller(tb, trainer_version=step))  # ACRL: once per rollout batch
+        # pi_old, reference, R2 routing, PPO values, advantages, the ACRL controller; checked once
+        tb, prep_m = policy.prepare(batch.tensors(), trainer_version=step, critic=ctx.critic)
+        m.update(prep_m)
         t2 = time.perf_counter()
         for mb in minibatches(tb, cfg, seed=cfg.training.seed + step):  # PPO epochs x minibatches
             m.update(policy.train_step(mb))
@@ -105,7 +93,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
 
 
 def phase_metrics(
-    tb: dict[str, Tensor], t: tuple[float, ...], c: tuple[tuple[float, float], ...] = ()
+    tb: TrainBatch, t: tuple[float, ...], c: tuple[tuple[float, float], ...] = ()
 ) -> dict[str, float]:
     """``time/*`` of the step's phases (``t``: the clock at its five boundaries) and its token rate;
     with ``c`` (:func:`~megatron_acrl.logging.thread_clock` at the start and end of pi_old + train),
@@ -124,7 +112,7 @@ def phase_metrics(
     }
 
 
-def drift_metrics(tb: dict[str, Tensor], trainer_version: int) -> dict[str, float]:
+def drift_metrics(tb: TrainBatch, trainer_version: int) -> dict[str, float]:
     """``async/*`` staleness and the mismatch split by lag, from the batch's per-token versions
     (none in recordings made before them)."""
     if "token_versions" not in tb:
@@ -134,7 +122,7 @@ def drift_metrics(tb: dict[str, Tensor], trainer_version: int) -> dict[str, floa
     )
 
 
-def log_extras(cfg: Config, batch: RolloutBatch, tb: dict[str, Tensor], step: int) -> dict[str, Any]:
+def log_extras(cfg: Config, batch: RolloutBatch, tb: TrainBatch, step: int) -> dict[str, Any]:
     """What a step logs besides its scalars: the histogram of per-token log(pi_old / mu) and, every
     ``logging.sample_table_interval`` steps, a table of sample completions."""
     mask = tb["loss_mask"] > 0

@@ -129,7 +129,8 @@ def test_compute_advantages_grpo_family(algorithm, norm):
     mask = torch.tensor([[0, 1, 1]] * 10)
     mask[1] = torch.tensor([1, 0, 0])
     tb = {"rewards": rewards, "group_ids": gid, "loss_mask": mask}
-    adv, metrics = compute_advantages(tb, config_from_dict({"algorithm": algorithm}))
+    adv, metrics, returns = compute_advantages(tb, config_from_dict({"algorithm": algorithm}))
+    assert returns is None  # no critic, no returns
     centred = [0.25, -0.75, 0.25, 0.25, 0.0, 0.0, 0.0, 0.0, 1.0, -1.0]
     std = [0.5] * 4 + [0.0] * 4 + [math.sqrt(2.0)] * 2
     seq = [c / (s + 1e-6) if norm else c for c, s in zip(centred, std, strict=True)]

@@ -20,7 +20,7 @@ from reference import counts as valid_counts
 from reference import ref_rl_loss, ref_weights
 from test_correction import KERNELS, batches, make_batch
 
-from megatron_acrl.algo.losses import aggregate, kl_penalty, ppo_policy_loss, rl_loss, value_loss
+from megatron_acrl.algo.losses import RLLoss, aggregate, kl_penalty, ppo_policy_loss, rl_loss, value_loss
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import (
     AcrlSignal,
@@ -383,7 +383,7 @@ def test_sft_loss_is_the_token_mean_nll_over_the_global_count():
 
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -9.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    loss, met = sft_loss(lp, lp, lp, lp, mask, num_tokens=5, algorithm=None)  # 5: other micro-batches'
+    loss, met = sft_loss(lp, {"loss_mask": mask}, 5, 2)  # 5: other micro-batches'
     assert loss.item() == pytest.approx((1.0 + 2.0 + 0.5) / 5, rel=1e-12)
     assert set(met) == {"sft/nll"} and met["sft/nll"].item() == loss.item()
     (grad,) = torch.autograd.grad(loss, lp)
@@ -462,3 +462,70 @@ def test_a_single_token_batch_divides_by_one() -> None:
     assert loss.item() == pytest.approx(-1.28, rel=1e-6)  # -A * clip(ratio) of the one token
     assert out["loss/pg_clipfrac"] == 1.0
     assert out["loss/ppo_kl"] == pytest.approx(-0.5, rel=1e-6)  # mean of log pi_old - log pi
+
+
+@pytest.mark.parametrize("fused", KERNELS, ids=lambda f: "fused_cpu" if f else "torch")
+@pytest.mark.parametrize(
+    "method,batch_norm", [("none", False), ("tis", True), ("icepop", False), ("acrl", True)]
+)
+@pytest.mark.parametrize("agg", AGGS)
+def test_the_bound_loss_is_rl_loss_bit_for_bit(agg, method, batch_norm, fused):
+    """RLLoss(settings)(logprobs, micro_batch, num_tokens, num_seqs) is today's rl_loss call, bit for
+    bit: loss, every metric, and the gradients of log pi and of the entropies, on a float32 batch with
+    every optional input (reference log-probs, entropies, a norm_len, the step's weight mean, the
+    ACRL signal, a non-finite log mu). The float64 comparisons above cover rl_loss itself."""
+    lp_old, lq, mask, adv = make_batch(seed=3, b=7, t=11)
+    lq[1, 2] = float("nan")  # leaves the loss mask: the object must pass the same mask through
+    mask = mask.float()
+    ref = new_logprobs(lp_old, seed=5)
+    g = torch.Generator().manual_seed(7)
+    ent0 = torch.rand(lp_old.shape, generator=g)
+    alg = AlgorithmConfig(
+        loss_agg=agg, kl_coef=0.1, kl_type="k3", entropy_coef=0.01, loss_norm_len=5, dual_clip=3.0
+    )
+    cfg = CorrectionConfig(method=method, batch_normalize=batch_norm)
+    n_tok, n_seq = torch.tensor(float(valid_counts(lp_old, lq, mask)[0])), torch.tensor(6.0)
+    wm = batch_weight_mean(cfg, MismatchTensors(lp_old, lq, mask, fused=fused), advantages=adv, acrl=SIG)
+    wm = wm if batch_norm else None
+    micro = {"tokens": torch.zeros(7, 11, dtype=torch.long), "old_logprobs": lp_old,
+             "rollout_logprobs": lq, "advantages": adv, "loss_mask": mask, "ref_logprobs": ref}  # fmt: skip
+    runs = []
+    for bound in (True, False):
+        x, ent = new_logprobs(lp_old).requires_grad_(), ent0.clone().requires_grad_()
+        if bound:
+            loss, metrics = RLLoss(alg, cfg, fused=fused, norm_len=9)(
+                x, micro, n_tok, n_seq, entropy=ent, acrl=SIG, weight_mean=wm
+            )
+        else:
+            loss, metrics = rl_loss(
+                x, lp_old, lq, adv, mask, algorithm=alg, correction=cfg, acrl=SIG, num_tokens=n_tok,
+                num_seqs=n_seq, fused=fused, entropy=ent, ref_logprobs=ref, norm_len=9, weight_mean=wm,
+            )  # fmt: skip
+        runs.append((loss, metrics, torch.autograd.grad(loss, (x, ent))))
+    (loss, metrics, grads), (want, want_metrics, want_grads) = runs
+    assert torch.equal(loss, want) and loss.item() != 0
+    assert metrics.keys() == want_metrics.keys() and {"loss/kl_ref", "loss/entropy"} <= metrics.keys()
+    for k, v in metrics.items():
+        assert torch.equal(v, want_metrics[k]) or (v.isnan() & want_metrics[k].isnan()).all(), k
+    for got, ref_grad in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, ref_grad)
+
+
+def test_the_bound_loss_keeps_its_settings_and_can_drop_the_mismatch_metrics():
+    """Without ref_logprobs in the micro-batch a kl_coef > 0 loss names what is missing (as rl_loss);
+    with_mismatch_metrics=False leaves out mismatch/*; the default norm_len is the algorithm's."""
+    lp_old, lq, mask, adv = make_batch(seed=4)
+    micro = {"old_logprobs": lp_old, "rollout_logprobs": lq, "advantages": adv, "loss_mask": mask}
+    n_tok, n_seq = valid_counts(lp_old, lq, mask)
+    plain = CorrectionConfig(method="none")
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_coef > 0 needs ref_logprobs"):
+        RLLoss(AlgorithmConfig(kl_coef=0.1), plain, fused=False)(lp_old, micro, n_tok, n_seq)
+    norm = AlgorithmConfig(loss_agg="seq-mean-token-sum-norm", loss_norm_len=3)
+    full = RLLoss(norm, plain, fused=False)(lp_old, micro, n_tok, n_seq)
+    lean = RLLoss(norm, plain, fused=False, with_mismatch_metrics=False)(lp_old, micro, n_tok, n_seq)
+    want = rl_loss(lp_old, lp_old, lq, adv, mask, algorithm=norm, correction=plain, acrl=None,
+                   num_tokens=n_tok, num_seqs=n_seq, fused=False)  # fmt: skip
+    assert torch.equal(full[0], want[0]) and torch.equal(lean[0], want[0])
+    assert any(k.startswith("mismatch/") for k in full[1])
+    assert not any(k.startswith("mismatch/") for k in lean[1])
+    assert set(lean[1]) == {k for k in full[1] if not k.startswith("mismatch/")}

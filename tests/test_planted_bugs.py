@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANTS = [
     (
         "ppo_clip_bounds_swapped",
-        "losses.py",
+        "algo/losses.py",
         "ratio.clamp(1.0 - clip_low, 1.0 + clip_high)",
         "ratio.clamp(1.0 - clip_high, 1.0 + clip_low)",
         [
@@ -36,7 +36,7 @@ PLANTS = [
     ),
     (
         "dr_grpo_denominator",
-        "losses.py",
+        "algo/losses.py",
         "return x.sum() / (n_seq * norm_len)",
         "return x.sum() / n_tok",
         [
@@ -48,7 +48,7 @@ PLANTS = [
     ),
     (
         "kl_k3_direction",
-        "losses.py",
+        "algo/losses.py",
         "log_r = ref_logprobs.detach() - logprobs",
         "log_r = logprobs - ref_logprobs.detach()",
         [

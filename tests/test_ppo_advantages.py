@@ -54,8 +54,11 @@ def test_masked_whiten_statistics_over_valid_tokens_only():
 def test_ppo_advantages_match_a_reference_loop(gamma, lam):
     tb = _batch()
     cfg = config_from_dict({"algorithm": {"name": "ppo", "gae_gamma": gamma, "gae_lambda": lam}})
-    adv, metrics = compute_advantages(tb, cfg)
-    raw, _ = ppo_advantages(dict(tb), cfg.algorithm, whiten=False)
+    before = dict(tb)
+    adv, metrics, returns = compute_advantages(tb, cfg)
+    assert tb.keys() == before.keys()  # read only: the returns come back, nothing is written into the batch
+    raw, _, raw_returns = ppo_advantages(tb, cfg.algorithm, whiten=False)
+    assert torch.equal(raw_returns, returns)  # whitening touches the advantages only
     # Reference: over each row's response tokens only, values[t] = V(state before token t).
     mask, values = tb["loss_mask"], tb["values"]
     for i in range(2):
@@ -68,8 +71,8 @@ def test_ppo_advantages_match_a_reference_loop(gamma, lam):
             nxt = values[i, t].item()
             assert raw[i, t].item() == pytest.approx(running, rel=1e-5, abs=1e-6)
             expected_return = running + values[i, t].item()
-            assert tb["returns"][i, t].item() == pytest.approx(expected_return, rel=1e-5, abs=1e-6)
-    assert raw[mask == 0].abs().max() == 0 and tb["returns"][mask == 0].abs().max() == 0
+            assert returns[i, t].item() == pytest.approx(expected_return, rel=1e-5, abs=1e-6)
+    assert raw[mask == 0].abs().max() == 0 and returns[mask == 0].abs().max() == 0
     assert adv[mask > 0].mean().item() == pytest.approx(0.0, abs=1e-6)  # whitened
     assert torch.allclose(adv, masked_whiten(raw, mask))
     assert {"advantages/mean", "critic/returns_mean", "critic/values_mean"} <= set(metrics)
@@ -106,13 +109,13 @@ def test_masked_whiten_small_counts():
 def test_ppo_metrics_are_token_means_of_the_raw_advantages():
     tb = _batch()
     cfg = config_from_dict({"algorithm": {"name": "ppo", "gae_gamma": 0.9, "gae_lambda": 0.8}})
-    raw, metrics = ppo_advantages(tb, cfg.algorithm, whiten=False)
+    raw, metrics, returns = ppo_advantages(tb, cfg.algorithm, whiten=False)
     mask = tb["loss_mask"]
     n = mask.sum().item()
     want = {
         "advantages/mean": raw.sum().item() / n,
         "advantages/abs_mean": raw.abs().sum().item() / n,
-        "critic/returns_mean": tb["returns"].sum().item() / n,
+        "critic/returns_mean": returns.sum().item() / n,
         "critic/values_mean": (tb["values"] * mask).sum().item() / n,
     }
     assert metrics == pytest.approx(want, rel=1e-6)
@@ -121,7 +124,7 @@ def test_ppo_metrics_are_token_means_of_the_raw_advantages():
         "loss_mask": torch.tensor([[0.0, 1.0]]),
         "values": torch.tensor([[9.0, 0.5]]),
     }
-    _, m1 = ppo_advantages(one, cfg.algorithm, whiten=False)  # one token: its own mean
+    _, m1, _ = ppo_advantages(one, cfg.algorithm, whiten=False)  # one token: its own mean
     want1 = {
         "advantages/mean": 1.5,
         "advantages/abs_mean": 1.5,

@@ -6,10 +6,28 @@ inputs ``[N, T]`` with a response mask.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from megatron_acrl.config import AlgorithmConfig, Config
+
+
+class Advantages(NamedTuple):
+    """What an estimator gives the train batch: nothing is written into the batch itself.
+
+    Attributes:
+        advantages: ``[N, L]`` per-token advantages, 0 outside the loss mask.
+        metrics: ``advantages/*`` (and PPO's ``critic/*``) scalars of the step.
+        returns: ``[N, L]`` the critic's regression targets (PPO), 0 outside the mask; None without
+            a critic.
+    """
+
+    advantages: Tensor
+    metrics: dict[str, float]
+    returns: Tensor | None = None
 
 
 def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
@@ -105,19 +123,18 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - mean) * torch.rsqrt(var + eps) * m
 
 
-def ppo_advantages(
-    tb: dict[str, Tensor], a: AlgorithmConfig, *, whiten: bool = True
-) -> tuple[Tensor, dict[str, float]]:
+def ppo_advantages(tb: Mapping[str, Tensor], a: AlgorithmConfig, *, whiten: bool = True) -> Advantages:
     """PPO: GAE over the critic's values with the sequence reward on the last response token.
 
     Args:
         tb: the train batch with ``rewards [N]``, ``loss_mask [N, L]`` and ``values [N, L]`` (the
-            critic's V(state before token t), ``Critic.forward_values``). ``tb["returns"] [N, L]``
-            (the critic's regression targets, 0 outside the mask) is written into it.
+            critic's V(state before token t), ``Critic.forward_values``); read only.
         a: ``cfg.algorithm`` (``gae_gamma``, ``gae_lambda``).
         whiten: normalise advantages over the batch's valid tokens (standard PPO practice).
     Returns:
-        ``(advantages [N, L], metrics)``; metrics describe the raw (unwhitened) advantages.
+        ``Advantages(advantages [N, L], metrics, returns [N, L])``: the returns (the critic's
+        regression targets, 0 outside the mask) are never whitened; the metrics describe the raw
+        (unwhitened) advantages.
     """
     if "values" not in tb:
         raise KeyError("algorithm.name=ppo needs tb['values'] from Critic.forward_values first")
@@ -125,7 +142,6 @@ def ppo_advantages(
     values = tb["values"].float() * mask
     rewards = last_token_rewards(tb["rewards"].float(), mask)
     adv, returns = gae(rewards, values, mask, gamma=a.gae_gamma, lam=a.gae_lambda)
-    tb["returns"] = returns
     n = mask.sum().clamp_min(1)
     metrics = {
         "advantages/mean": float(adv.sum() / n),
@@ -133,7 +149,7 @@ def ppo_advantages(
         "critic/returns_mean": float(returns.sum() / n),
         "critic/values_mean": float(values.sum() / n),
     }
-    return (masked_whiten(adv, mask) if whiten else adv), metrics
+    return Advantages(masked_whiten(adv, mask) if whiten else adv, metrics, returns)
 
 
 def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor, *, tol: float = 0.0) -> Tensor:
@@ -163,22 +179,26 @@ def overlong_penalty(response_len: Tensor, *, max_len: int, buffer_len: int, pen
     return -penalty * excess / buffer_len
 
 
-def compute_advantages(tb: dict[str, Tensor], cfg: Config) -> tuple[Tensor, dict[str, float]]:
+def compute_advantages(tb: Mapping[str, Tensor], cfg: Config) -> Advantages:
     """Token advantages ``[N, L]`` of a rollout batch for ``cfg.algorithm``: its estimator
     (``ALGORITHMS[name].estimator``) is ``group`` (GRPO family) or ``gae`` (PPO).
 
     Args:
-        tb: the train batch (``rewards [N]``, ``group_ids [N]``, ``loss_mask [N, L]``).
+        tb: the train batch (``rewards [N]``, ``group_ids [N]``, ``loss_mask [N, L]``; PPO also
+            ``values [N, L]``); read only.
+    Returns:
+        :class:`Advantages`; ``returns`` only for PPO.
     """
     a = cfg.algorithm
-    if a.spec.estimator == "gae":  # critic + GAE; also writes tb["returns"], the critic's targets
+    if a.spec.estimator == "gae":  # critic + GAE; the returns are the critic's targets
         return ppo_advantages(tb, a)
     # dr_grpo's grpo_norm_std is false: its ALGORITHMS entry requires it, the config refuses true.
     seq = grpo_advantages(tb["rewards"], tb["group_ids"], norm_std=a.grpo_norm_std)
     adv = token_advantages(seq, tb["loss_mask"])
     keep = dynamic_sampling_keep(tb["rewards"], tb["group_ids"])
-    return adv, {
+    metrics = {
         "advantages/mean": float(seq.mean()),
         "advantages/abs_mean": float(seq.abs().mean()),
         "advantages/zero_groups_frac": float((~keep).float().mean()),
     }
+    return Advantages(adv, metrics)

@@ -20,7 +20,8 @@ finite are different: they leave the loss mask itself (``correction.valid_mask``
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -219,6 +220,90 @@ def rl_loss(
     return loss, metrics
 
 
+class PolicyLoss(Protocol):
+    """A policy loss as the Megatron loss adapter calls it, once per micro-batch: its settings are
+    bound at construction, the step's inputs come with the call (:class:`RLLoss`, :func:`sft_loss`)."""
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        micro_batch: Mapping[str, Tensor],
+        num_tokens: int | Tensor,
+        num_seqs: int | Tensor,
+        *,
+        entropy: Tensor | None = None,
+        acrl: AcrlSignal | None = None,
+        weight_mean: Tensor | float | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+class RLLoss:
+    """:func:`rl_loss` with its settings bound once: ``loss(logprobs, micro_batch, num_tokens, num_seqs)``.
+
+    Args:
+        algorithm / correction: the run's settings.
+        fused: run the correction's fused C pass (``correction.kernel`` resolved by the caller,
+            :func:`~megatron_acrl.correction.fused_cpu.resolve_kernel`).
+        norm_len: Dr. GRPO's constant length (None: ``algorithm.loss_norm_len``).
+        with_mismatch_metrics: also return the pi_old-vs-mu mismatch metrics.
+    """
+
+    def __init__(
+        self,
+        algorithm: AlgorithmConfig,
+        correction: CorrectionConfig,
+        *,
+        fused: bool,
+        norm_len: int | None = None,
+        with_mismatch_metrics: bool = True,
+    ) -> None:
+        self.algorithm = algorithm
+        self.correction = correction
+        self.fused = fused
+        self.norm_len = norm_len
+        self.with_mismatch_metrics = with_mismatch_metrics
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        micro_batch: Mapping[str, Tensor],
+        num_tokens: int | Tensor,
+        num_seqs: int | Tensor,
+        *,
+        entropy: Tensor | None = None,
+        acrl: AcrlSignal | None = None,
+        weight_mean: Tensor | float | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one micro-batch: :func:`rl_loss` on its tensors, bit for bit.
+
+        Args:
+            logprobs: ``[B, T]`` log pi under the current weights (requires grad).
+            micro_batch: ``old_logprobs``, ``rollout_logprobs``, ``advantages``, ``loss_mask`` and,
+                for ``kl_coef`` > 0, ``ref_logprobs``, all ``[B, T]`` (other keys are ignored).
+            num_tokens / num_seqs: the optimizer step's global denominators.
+            entropy: ``[B, T]`` token entropies or None. acrl: the controller's signal of this
+                rollout batch. weight_mean: ``correction.batch_normalize``'s mean weight of the step.
+        """
+        return rl_loss(
+            logprobs,
+            micro_batch["old_logprobs"],
+            micro_batch["rollout_logprobs"],
+            micro_batch["advantages"],
+            micro_batch["loss_mask"],
+            algorithm=self.algorithm,
+            correction=self.correction,
+            acrl=acrl,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            fused=self.fused,
+            entropy=entropy,
+            ref_logprobs=micro_batch.get("ref_logprobs"),
+            norm_len=self.norm_len,
+            with_mismatch_metrics=self.with_mismatch_metrics,
+            weight_mean=weight_mean,
+        )
+
+
 def _policy_gradient(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -286,18 +371,16 @@ def _regularized(
 
 def sft_loss(
     logprobs: Tensor,
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
+    micro_batch: Mapping[str, Tensor],
     num_tokens: int | Tensor,
+    num_seqs: int | Tensor = 1,
     **_: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Supervised warm-start: token-mean negative log-likelihood of the masked (answer) tokens.
 
-    Same signature as :func:`rl_loss` so the Megatron adapter can run it; the RL-only inputs are
-    ignored. Returns ``(partial loss, {"sft/nll": partial})`` with ``num_tokens`` as denominator.
+    A :class:`PolicyLoss`, so the Megatron adapter can run it; only ``micro_batch["loss_mask"]
+    [B, T]`` is read, the RL inputs are ignored. Returns ``(partial loss, {"sft/nll": partial})``
+    with ``num_tokens`` as denominator.
     """
-    nll = aggregate(-logprobs, loss_mask, "token-mean", num_tokens=num_tokens, num_seqs=1)
+    nll = aggregate(-logprobs, micro_batch["loss_mask"], "token-mean", num_tokens=num_tokens, num_seqs=1)
     return nll, {"sft/nll": nll.detach()}

@@ -11,8 +11,9 @@ produced the distribution of token t. ``token_versions [N, L]`` int64: the weigh
 response token was sampled with (:mod:`megatron_acrl.batch.staleness`; a request paused across a weight
 update carries two), -1 on prompt and padding positions; None in recordings made before it existed.
 
-The train batch adds ``old_logprobs [N, L]`` (pi_old), optional ``ref_logprobs``, ``advantages
-[N, L]`` and ``values``; :func:`minibatches` cuts it for PPO epochs.
+:meth:`RolloutBatch.tensors` starts the step's train batch, which the policy completes (pi_old,
+advantages, ...): its keys, shapes and dtypes are documented and checked in one place,
+:mod:`megatron_acrl.batch.train_batch`; :func:`minibatches` cuts it for PPO epochs.
 
 Non-finite rollout log-probs (an engine fault, seen in the field as NaN from overflowing FP8
 kernels) are masked out of the loss and counted, so they never reach a gradient.
@@ -24,10 +25,12 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+from megatron_acrl.batch.train_batch import TrainBatch
 
 TENSOR_FIELDS = ("tokens", "loss_mask", "rollout_logprobs", "rewards", "group_ids", "response_len")
 
@@ -53,8 +56,16 @@ class RolloutBatch:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def tensors(self) -> dict[str, Tensor]:
-        out = {k: getattr(self, k) for k in TENSOR_FIELDS}
+    def tensors(self) -> TrainBatch:
+        """The train batch's required keys (and ``routed_experts``, ``token_versions`` when present)."""
+        out = TrainBatch(
+            tokens=self.tokens,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.rollout_logprobs,
+            rewards=self.rewards,
+            group_ids=self.group_ids,
+            response_len=self.response_len,
+        )
         if self.routed_experts is not None:
             out["routed_experts"] = self.routed_experts
         if self.token_versions is not None:
@@ -282,7 +293,7 @@ def load_rollouts(directory: str | Path, step: int) -> RolloutBatch:
     return RolloutBatch.load(path)
 
 
-def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str, Tensor]]:
+def minibatches(tb: TrainBatch, cfg: Any, seed: int) -> Iterator[TrainBatch]:
     """PPO epochs x minibatches over a train batch; each epoch reshuffles whole groups.
 
     With one epoch and one minibatch this yields the batch itself (the GRPO default: one optimizer
@@ -290,6 +301,7 @@ def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str
     """
     a = cfg.algorithm
     n = tb["tokens"].shape[0]
+    columns = cast(dict[str, Tensor], tb)
     if a.ppo_epochs == 1 and a.num_minibatches == 1:
         yield tb
         return
@@ -299,4 +311,7 @@ def minibatches(tb: dict[str, Tensor], cfg: Any, seed: int) -> Iterator[dict[str
         order = torch.randperm(n, generator=g)
         for k in range(a.num_minibatches):
             idx = order[k * size : (k + 1) * size]
-            yield {key: (v[idx] if v.dim() >= 1 and v.shape[0] == n else v) for key, v in tb.items()}
+            yield cast(
+                TrainBatch,
+                {k: (v[idx] if v.dim() >= 1 and v.shape[0] == n else v) for k, v in columns.items()},
+            )

@@ -35,18 +35,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_acrl.algo.losses import PolicyLoss, RLLoss, value_loss
 from megatron_acrl.config import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.correction import AcrlSignal, fused_cpu
 from megatron_acrl.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["LossAdapter", "LossFn", "MicroBatch", "ValueLossAdapter", "megatron_loss_scale", "shift_right"]
+__all__ = [
+    "LOSS_KEYS",
+    "LossAdapter",
+    "LossFn",
+    "MicroBatch",
+    "ValueLossAdapter",
+    "megatron_loss_scale",
+    "shift_right",
+]
 
 MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``tokens [b, T]`` int64 and, for training, ``loss_mask``, ``old_logprobs``,
 ``rollout_logprobs``, ``advantages`` (and optionally ``ref_logprobs``), all ``[b, T]``."""
 
+LOSS_KEYS = ("loss_mask", "old_logprobs", "rollout_logprobs", "advantages", "ref_logprobs")
+"""The micro-batch's ``[b, T]`` tensors a policy loss may read, handed to it as float32."""
+
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""Signature of ``megatron_acrl.algo.losses.rl_loss``."""
+"""Signature of the value loss, ``megatron_acrl.algo.losses.value_loss``."""
 
 
 def megatron_loss_scale(
@@ -76,21 +88,24 @@ class LossAdapter:
     """Turns vocab-parallel logits of one micro-batch into Megatron's (loss, num_tokens, metrics).
 
     Args:
-        algorithm / correction: passed through to the loss function.
+        algorithm / correction: the settings of the default loss (:class:`~megatron_acrl.algo.losses.RLLoss`);
+            ``correction.kernel`` and ``algorithm.entropy_coef`` are read here too.
         tp_group: tensor-parallel group of this rank (the logits are vocab-parallel over it).
         vocab_size: real vocabulary size (Megatron's padding rows are excluded from the softmax).
         temperature: rollout sampling temperature (log-probs are of ``softmax(logits / T)``).
         chunk_size: tokens per chunk of the fused log-prob (None: sized automatically).
         norm_len: constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO); None uses the config.
         entropy: compute token entropies (needed for ``entropy_coef`` > 0; also logged).
-        loss_fn: the pure loss; default ``megatron_acrl.algo.losses.rl_loss``.
+        loss_fn: the pure loss with its settings bound (a
+            :class:`~megatron_acrl.algo.losses.PolicyLoss`); default ``RLLoss(algorithm, correction,
+            fused=..., norm_len=norm_len)``.
         device: where the trainer's tensors live; None: ``cuda`` when available, else ``cpu`` (as
             the trainer itself decides).
 
     Attributes:
         fused: ``correction.kernel`` resolved for ``device``, once, here
             (:func:`~megatron_acrl.correction.fused_cpu.resolve_kernel`): whether the correction
-            runs the fused C pass. Passed to the loss on every call, and read by the policy for the
+            runs the fused C pass. Bound into the default loss, and read by the policy for the
             controller's statistics.
 
     Raises:
@@ -109,25 +124,20 @@ class LossAdapter:
         chunk_size: int | None = None,
         norm_len: int | None = None,
         entropy: bool = True,
-        loss_fn: LossFn | None = None,
+        loss_fn: PolicyLoss | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if loss_fn is None:
-            from megatron_acrl.algo.losses import rl_loss
-
-            loss_fn = rl_loss
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.fused = fused_cpu.resolve_kernel(correction.kernel, device)
-        self.algorithm = algorithm
-        self.correction = correction
         self.tp_group = tp_group
         self.vocab_size = vocab_size
         self.temperature = temperature
         self.chunk_size = chunk_size
-        self.norm_len = norm_len
         self.entropy = entropy or algorithm.entropy_coef > 0
-        self.loss_fn = loss_fn
+        self.loss_fn: PolicyLoss = loss_fn or RLLoss(
+            algorithm, correction, fused=self.fused, norm_len=norm_len
+        )
 
     def token_logprobs(
         self,
@@ -185,9 +195,9 @@ class LossAdapter:
             weight_mean: ``correction.batch_normalize``: the step's mean weight
                 (:func:`~megatron_acrl.correction.batch_weight_mean`), the same on every micro-batch.
         """
-        mask = micro["loss_mask"].float()
+        fields = {k: micro[k].float() for k in LOSS_KEYS if k in micro}
         # Exactly cancels the schedule's "/ clamp(num_tokens, 1) / num_microbatches" and DDP's 1/dp.
-        n_local, undo = megatron_loss_scale(mask, num_microbatches, dp_size)
+        n_local, undo = megatron_loss_scale(fields["loss_mask"], num_microbatches, dp_size)
 
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             # The logits feed nothing else: backward may overwrite them with their gradient.
@@ -195,21 +205,7 @@ class LossAdapter:
                 logits, micro["tokens"], with_entropy=self.entropy, inplace_backward=True
             )
             loss, metrics = self.loss_fn(
-                logp,
-                micro["old_logprobs"].float(),
-                micro["rollout_logprobs"].float(),
-                micro["advantages"].float(),
-                mask,
-                algorithm=self.algorithm,
-                correction=self.correction,
-                acrl=acrl,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                fused=self.fused,
-                weight_mean=weight_mean,
-                entropy=ent,
-                ref_logprobs=micro["ref_logprobs"].float() if "ref_logprobs" in micro else None,
-                **({"norm_len": self.norm_len} if self.norm_len is not None else {}),
+                logp, fields, num_tokens, num_seqs, entropy=ent, acrl=acrl, weight_mean=weight_mean
             )
             return loss * undo, n_local, metrics
 
@@ -242,13 +238,9 @@ class ValueLossAdapter:
     """
 
     def __init__(self, *, clip: float, coef: float = 1.0, loss_fn: LossFn | None = None) -> None:
-        if loss_fn is None:
-            from megatron_acrl.algo.losses import value_loss
-
-            loss_fn = value_loss
         self.clip = clip
         self.coef = coef
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn or value_loss
 
     @staticmethod
     def token_values(out: torch.Tensor) -> torch.Tensor:

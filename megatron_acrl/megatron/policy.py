@@ -15,12 +15,15 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_acrl.algo.advantages import compute_advantages
+from megatron_acrl.algo.losses import PolicyLoss
+from megatron_acrl.batch.train_batch import TrainBatch, check_train_batch
 from megatron_acrl.config import Config
 from megatron_acrl.correction import (
     AcrlController,
@@ -31,13 +34,16 @@ from megatron_acrl.correction import (
 )
 from megatron_acrl.megatron import checkpoint, convert, hf_io
 from megatron_acrl.megatron.base import ModelTrainer
-from megatron_acrl.megatron.loss_adapter import LossAdapter, LossFn
+from megatron_acrl.megatron.loss_adapter import LossAdapter
 from megatron_acrl.megatron.model import build_model_chunks, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import (
     RoutingReplay,
     routing_mismatch_metrics,
     routing_mismatch_sums,
 )
+
+if TYPE_CHECKING:
+    from megatron_acrl.megatron.critic import Critic
 
 __all__ = ["TRAIN_KEYS", "Policy"]
 
@@ -51,7 +57,8 @@ class Policy(ModelTrainer):
     Args:
         cfg: the run configuration.
         pg_collection: process groups; None reads Megatron's (``initialize_parallel`` first).
-        loss_fn: the pure loss (default ``megatron_acrl.algo.losses.rl_loss``).
+        loss_fn: the pure loss, its settings bound (default ``megatron_acrl.algo.losses.RLLoss``
+            of the config; the SFT warm start passes ``sft_loss``).
         total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
             num_minibatches``).
     """
@@ -61,7 +68,7 @@ class Policy(ModelTrainer):
         cfg: Config,
         *,
         pg_collection: ProcessGroupCollection | None = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: PolicyLoss | None = None,
         total_steps: int | None = None,
     ) -> None:
         super().__init__(cfg, pg_collection=pg_collection, total_steps=total_steps)
@@ -96,6 +103,56 @@ class Policy(ModelTrainer):
             self.routing = RoutingReplay(
                 self.model, sequence_parallel=self.config.sequence_parallel, tp_group=self.pg.tp
             )
+
+    # ----------------------------------------------------------------------------------------
+    # The step's train batch, assembled once
+    # ----------------------------------------------------------------------------------------
+
+    def prepare(
+        self, tb: TrainBatch, *, trainer_version: int, critic: Critic | None = None
+    ) -> tuple[TrainBatch, dict[str, float]]:
+        """Complete a rollout batch into the step's train batch; every rank calls it, once per step.
+
+        In order: pi_old (:meth:`forward_logprobs`; under R2 its ``recorded_experts``, which the
+        training pass replays), the routing mismatch (:meth:`routing_metrics`), the reference
+        log-probs (``algorithm.kl_coef`` > 0), the critic's values (PPO), the advantages (and PPO's
+        returns, :func:`~megatron_acrl.algo.advantages.compute_advantages`) and the ACRL
+        controller's update (:meth:`update_controller`, once per rollout batch, before its first
+        optimizer step). The result is checked once
+        (:func:`~megatron_acrl.batch.train_batch.check_train_batch`).
+
+        Args:
+            tb: the rollout batch (:meth:`RolloutBatch.tensors`); not modified.
+            trainer_version: the weight version about to be trained (the step); the batch's sampling
+                lag is measured against it.
+            critic: the PPO critic, or None.
+        Returns:
+            ``(train batch, metrics)``: the batch with ``old_logprobs``, ``advantages`` and, as the run
+            needs them, ``recorded_experts``, ``ref_logprobs``, ``values``, ``returns`` (module doc of
+            :mod:`megatron_acrl.batch.train_batch`); ``routing/*``, ``advantages/*`` (PPO:
+            ``critic/*``) and ``acrl/*`` metrics.
+        """
+        tb = TrainBatch(**tb)  # a new dict: the caller's batch keeps its keys
+        old = self.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
+        tb["old_logprobs"] = old["logprobs"]
+        if "recorded_experts" in old:  # R2: the training pass replays this pass's routing
+            tb["recorded_experts"] = old["recorded_experts"]
+        metrics = self.routing_metrics(tb)  # MoE: trainer-vs-rollout routing mismatch
+        need = ["old_logprobs", "advantages"]
+        if self.cfg.algorithm.kl_coef > 0:
+            tb["ref_logprobs"] = self.forward_logprobs(tb, reference=True)["logprobs"]
+            need.append("ref_logprobs")
+        if critic is not None:  # PPO: V(s_t) before the update; GAE in compute_advantages
+            tb["values"] = critic.forward_values(tb)["values"]
+            need += ["values", "returns"]
+        adv = compute_advantages(tb, self.cfg)
+        tb["advantages"] = adv.advantages
+        if adv.returns is not None:
+            tb["returns"] = adv.returns
+        metrics.update(adv.metrics)
+        metrics.update(self.update_controller(tb, trainer_version=trainer_version))
+        check_train_batch(tb, need)
+        return tb, metrics
 
     # ----------------------------------------------------------------------------------------
     # MoE routing replay (R3: the rollout's experts; R2: the pi_old pass's own)
