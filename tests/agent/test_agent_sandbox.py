@@ -156,6 +156,18 @@ def test_missing_bwrap_is_named(monkeypatch):
     sb.check_sandbox.cache_clear()
 
 
+def test_refused_namespaces_are_named(monkeypatch):
+    """A bwrap that cannot make its namespaces (stood in for by one that exits 1) is named, with the fix."""
+    sb.check_sandbox.cache_clear()
+    monkeypatch.setattr(
+        sb, "_bwrap_argv", lambda *a: ["/bin/sh", "-c", "echo 'bwrap: No permissions' >&2; exit 1"]
+    )
+    with pytest.raises(SandboxUnavailable, match="user namespaces") as err:
+        Sandbox(LIMITS)
+    assert "No permissions" in str(err.value)
+    sb.check_sandbox.cache_clear()
+
+
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="cpu_time_s"):
         SandboxLimits(cpu_time_s=0)
