@@ -18,6 +18,7 @@ YAML and the overrides leave unset.
 """
 
 from megatron_acrl.config._base import ConfigError
+from megatron_acrl.config.agent import BUILTIN_ENVS, AgentConfig, resolve_import_path
 from megatron_acrl.config.algorithm import (
     ALGORITHMS,
     Algorithm,
@@ -43,6 +44,8 @@ from megatron_acrl.config.training import LoggingConfig, TaskConfig, TrainingCon
 
 __all__ = [
     "ALGORITHMS",
+    "BUILTIN_ENVS",
+    "AgentConfig",
     "Algorithm",
     "AlgorithmConfig",
     "AlgorithmName",
@@ -67,4 +70,5 @@ __all__ = [
     "load_config",
     "load_config_with_sources",
     "parse_overrides",
+    "resolve_import_path",
 ]

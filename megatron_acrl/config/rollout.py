@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_acrl.config._base import _check, _Section
+from megatron_acrl.config.agent import AgentConfig
 
 Quantization = Literal["none", "fp8_block", "fp8_per_tensor", "fp8_per_channel"]
 
@@ -225,6 +226,9 @@ class RolloutConfig(_Section):
     weight_sync_address: str | None = None
     """Address the servers dial to reach a weight-sync source (its store and broadcasts); None:
     loopback when the driver starts its servers itself, else the source node's host name."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Agentic (multi-turn, tool-calling) rollouts: the agent, its environment and limits."""
 
     @property
     def sync_timeout_s(self) -> float:

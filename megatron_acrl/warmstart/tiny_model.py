@@ -31,14 +31,24 @@ from megatron_acrl.config import ModelConfig
 from megatron_acrl.megatron.convert import hf_config
 
 # Bump when the corpus or tokenizer recipe changes: it is part of every cache key.
-TOKENIZER_RECIPE_VERSION = 1
+TOKENIZER_RECIPE_VERSION = 2  # 2: the chat template gained tool-call markup
 CHECKPOINT_RECIPE_VERSION = 2
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>"
+    '{{ {"name": c["name"], "arguments": c["arguments"]} | tojson }}</tool_call>'
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+"""ChatML with tool-call markup (``megatron_acrl.rollout.agent.templates.TINY_CHATML``, the same
+source): a ``tools`` list is rendered in a system turn, an assistant message's ``tool_calls`` as
+``<tool_call>{...}</tool_call>``, a tool result as a ``tool`` turn. Messages without tools or tool
+calls render exactly as the first template (recipe version 1) did."""
 
 _WORDS = (
     "the a an is are was of to and in on for with what answer question result sum total number "
