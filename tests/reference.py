@@ -186,6 +186,18 @@ def ref_weights(
     return ref_correction(cfg, lp, lq, mask, adv, x, y, coef=coef, weight_mean=weight_mean)[0]
 
 
+def ref_alpha(cfg, a: float, c: float) -> float:
+    """ACRL's alpha of one token: ``sign(a) * c``, then at most ``alpha_max`` and at least
+    ``alpha_min`` (sign-safe ACRL), or at least ``-alpha_max`` when ``alpha_min`` is unset."""
+    alpha = _sign(a) * c
+    if cfg.alpha_max is not None:
+        alpha = min(alpha, cfg.alpha_max)
+    low = getattr(cfg, "alpha_min", None)
+    if low is None and cfg.alpha_max is not None:
+        low = -cfg.alpha_max
+    return alpha if low is None else max(alpha, low)
+
+
 def _method_weight(cfg, d: float, seq_sum: float, mean_d: float, a: float, c: float | None) -> float:
     """One valid token's weight under ``cfg.method`` (before masks, veto, normalisation)."""
     r = math.exp(_clip(d, -BOUND, BOUND))
@@ -202,9 +214,7 @@ def _method_weight(cfg, d: float, seq_sum: float, mean_d: float, a: float, c: fl
     if cfg.method == "geo_mis":
         return 1.0
     if cfg.method == "acrl":
-        alpha = _sign(a) * c  # type: ignore[operator]
-        if cfg.alpha_max is not None:
-            alpha = _clip(alpha, -cfg.alpha_max, cfg.alpha_max)
+        alpha = ref_alpha(cfg, a, c)  # type: ignore[arg-type]
         v = math.exp(_clip(alpha * _clip(d, -BOUND, BOUND), -BOUND, BOUND))
         if cfg.weight_low is not None:
             v = max(v, cfg.weight_low)
@@ -264,9 +274,7 @@ def ref_correction(cfg, lp, lq, mask, adv=None, x=None, y=None, *, coef=None, we
             frac["mask_high"] += r > cfg.icepop_high
             frac["mask_low"] += r < cfg.icepop_low
             if cfg.method == "acrl":
-                alpha = _sign(a) * c  # type: ignore[operator]
-                if cfg.alpha_max is not None:
-                    alpha = _clip(alpha, -cfg.alpha_max, cfg.alpha_max)
+                alpha = ref_alpha(cfg, a, c)  # type: ignore[arg-type]
                 alphas.append(alpha)
                 saturated += abs(alpha * _clip(d_row[t], -BOUND, BOUND)) >= BOUND
         frac["seq_high"] += not (s <= math.log(cfg.seq_high))

@@ -123,6 +123,9 @@ ACRL_CASES = [
     {},
     {"per_sequence_y": True},
     {"alpha_max": 0.3},
+    {"alpha_min": 0.0},  # sign-safe ACRL (issue #34)
+    {"alpha_min": 0.0, "alpha_max": 0.3},
+    {"alpha_min": -0.1, "alpha_max": 0.5, "per_sequence_y": True},
     {"weight_low": 0.9, "weight_high": 1.1},
     {"gamma": 1.0, "distance": "k3"},
     {"gamma": 3.0},  # saturates the weights of the +25 token

@@ -8,6 +8,7 @@ an explicit value (YAML or override) wins, and ``--explain`` names the fields th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -288,6 +289,14 @@ class CorrectionConfig(_Section):
     alpha_max: float | None = None
     """acrl: bound |alpha| <= alpha_max; None leaves it unbounded (paper)."""
 
+    alpha_min: float | None = None
+    """acrl: lower bound of alpha (alpha in [alpha_min, alpha_max]); None keeps the paper's law
+    (the lower bound is -alpha_max, or none). 0 is sign-safe ACRL: the weight interpolates between no
+    correction (alpha = 0) and importance weighting (alpha = 1) and never inverts it: under staleness
+    (Y > X for the whole run) the paper's alpha < 0 on positive-advantage tokens pulls the update
+    back toward an older, worse sampler (issue #34). Keep None for precision-only runs (the paper's
+    setting), where mu is pi plus noise and the inverse branch is its intent."""
+
     weight_low: float | None = None
     """acrl: lower clamp of the weights; None leaves them unclamped (paper)."""
 
@@ -316,6 +325,24 @@ class CorrectionConfig(_Section):
     remeasure_reference_on_resume: bool = False
     """acrl: on resume, discard the checkpoint's reference X and measure a new one (needed to resume
     with another ``distance`` or ``reference`` mode; without it such a resume is refused)."""
+
+    step_control: Literal["none", "drift_budget"] = "none"
+    """Scale each RL step's learning rate by the drift between trainer and sampler: none leaves the
+    rate alone; drift_budget uses s = clip(sqrt(B / D), step_scale_min, 1) for all the step's
+    optimizer steps, D the batch's token-mean k3 mismatch, B = max(step_kappa * D_ref,
+    step_budget_min), D_ref the k3 of the first lag-0 batch (in async, of its lag-0 tokens). Without
+    lag D stays near D_ref and s = 1. It composes with every correction.method: a per-token weight
+    re-aims a step but under grad-clip and Adam hardly shortens it (issue #34)."""
+
+    step_kappa: float = 4.0
+    """drift_budget: the budget as a multiple of the lag-0 reference drift D_ref."""
+
+    step_budget_min: float = 1.0e-3
+    """drift_budget: the floor of the budget B (k3, nats): a bf16 run's lag-0 drift (~1e-6) would
+    otherwise set a budget every lagged batch exceeds by orders of magnitude."""
+
+    step_scale_min: float = 0.1
+    """drift_budget: the smallest learning-rate scale; the step is never stopped outright."""
 
     kernel: CorrectionKernel = "auto"
     """Who computes the correction, chosen once when the trainer starts: fused_cpu is one C pass
@@ -352,6 +379,10 @@ class CorrectionConfig(_Section):
         _check(e, lag_ok, "reference_lag", "must be >= 0 or null")
         _check(e, 0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         _check(e, self.alpha_max is None or self.alpha_max >= 0, "alpha_max", "must be >= 0 or null")
+        if self.alpha_min is not None:
+            _check(e, math.isfinite(self.alpha_min), "alpha_min", "must be finite or null")
+            hi = self.alpha_max
+            _check(e, hi is None or self.alpha_min <= hi, "alpha_min", f"must be <= alpha_max={hi}")
         _check(e, self.weight_low is None or self.weight_low >= 0, "weight_low", "must be >= 0 or null")
         if self.weight_low is not None and self.weight_high is not None:
             _check(e, self.weight_low < self.weight_high, "weight_low", "must be smaller than weight_high")
@@ -363,4 +394,13 @@ class CorrectionConfig(_Section):
             f"must be >= 0 (0: the paper's law) or null (the distance's default); got {self.reference_min}",
         )
         _check(e, self.warn_weight > 1, "warn_weight", f"must be > 1, got {self.warn_weight}")
+        return e + self._step_control_errors()
+
+    def _step_control_errors(self) -> list[tuple[str, str]]:
+        """The drift-budget step controller's knobs."""
+        e: list[tuple[str, str]] = []
+        _check(e, self.step_kappa > 0, "step_kappa", f"must be > 0, got {self.step_kappa}")
+        _check(e, self.step_budget_min > 0, "step_budget_min", f"must be > 0, got {self.step_budget_min}")
+        ok = 0 < self.step_scale_min <= 1
+        _check(e, ok, "step_scale_min", f"must be in (0, 1], got {self.step_scale_min}")
         return e

@@ -182,14 +182,15 @@ void acrl_mismatch_pass(const float *old_logprobs, const float *rollout_logprobs
     dstats[1] = dstats[3] = dstats[5] = n_seqs;
 }
 
-/* ACRL weights w = exp(clamp(alpha * clamp(log rho), +-B)), alpha = sign(A) * coef[b] bounded to
- * +-alpha_max, then clamped to [w_low, w_high], 0 off the valid tokens (as in acrl_mismatch_pass):
+/* ACRL weights w = exp(clamp(alpha * clamp(log rho), +-B)), alpha = sign(A) * coef[b] clipped to
+ * [alpha_lo, alpha_hi] (float32, like every per-token value here), then clamped to [w_low, w_high], 0 off the valid tokens (as in acrl_mismatch_pass):
  * the C twin of the acrl entry of weights.py (alpha as in acrl.py's acrl_alpha, coef from its
  * acrl_coefficient).
  *
  * old_logprobs, rollout_logprobs, mask: as in acrl_mismatch_pass.
  * adv: advantages with strides (sa_b, sa_t) (sa_t = 0 for one advantage per sequence); coef: [B]
- * gamma * (1 - Y / X) per sequence, or NULL for coef0 on every sequence. "No bound" is passed as a
+ * gamma * (1 - Y / X) per sequence, or NULL for coef0 on every sequence; alpha_lo / alpha_hi: the
+ * bounds of alpha (sign-safe ACRL: alpha_lo = 0; the paper's law: none). "No bound" is passed as a
  * large finite number (the file is compiled for finite arithmetic). inv_tokens: 1 / the global token
  * count, so that stats are already partial means. Writes weights [B, T] float32 (contiguous), stats
  * [5] float64: the sums over valid tokens of w, (w - 1)^2 (in float64: the std is a difference of
@@ -197,8 +198,8 @@ void acrl_mismatch_pass(const float *old_logprobs, const float *rollout_logprobs
  * |alpha| and of the saturated tokens (|alpha * clamp(log rho)| >= B), times inv_tokens, and wext [2] float64 (max w and min w over valid tokens; -inf / +inf without any). */
 void acrl_weights_pass(const float *old_logprobs, const float *rollout_logprobs, const uint8_t *mask,
                        const float *adv, int64_t B, int64_t T, int64_t sp, int64_t sq, int64_t sm,
-                       int64_t sa_b, int64_t sa_t, const double *coef, double coef0, float alpha_max,
-                       float w_low, float w_high, double inv_tokens, float *weights, double *stats,
+                       int64_t sa_b, int64_t sa_t, const double *coef, double coef0, float alpha_lo,
+                       float alpha_hi, float w_low, float w_high, double inv_tokens, float *weights, double *stats,
                        double *wext) {
     double s_w = 0, s_w2 = 0, s_a = 0, s_aa = 0, s_sat = 0;
     float w_max = -INFINITY, w_min = INFINITY;
@@ -217,7 +218,7 @@ void acrl_weights_pass(const float *old_logprobs, const float *rollout_logprobs,
             float d = (float)((double)keep(lp_old[t], v) - (double)keep(lp_roll[t], v));
             float av = a[t * sa_t];
             float sgn = (float)((av > 0.0f) - (av < 0.0f));
-            float alpha = keep(clampf(sgn * c, -alpha_max, alpha_max), v);
+            float alpha = keep(clampf(sgn * c, alpha_lo, alpha_hi), v);
             float e = alpha * clampf(d, -LOG_RATIO_BOUND, LOG_RATIO_BOUND);
             float wt = exp_poly(clampf(e, -LOG_RATIO_BOUND, LOG_RATIO_BOUND));
             wt = keep(clampf(wt, w_low, w_high), v);

@@ -143,19 +143,35 @@ def acrl_coefficient(cfg: CorrectionConfig, signal: AcrlSignal, sh: MismatchTens
     return cfg.gamma * (1.0 - signal.y_over_x(cfg.eps))
 
 
-def acrl_alpha(advantages: Tensor, coef: Tensor | float, alpha_max: float | None = None) -> Tensor:
-    """``alpha = sign(A) * c`` (``c`` from :func:`acrl_coefficient`), bounded to ``|alpha| <= alpha_max``.
+def alpha_bounds(alpha_max: float | None, alpha_min: float | None) -> tuple[float | None, float | None]:
+    """``(low, high)`` of alpha: ``[alpha_min, alpha_max]``; with ``alpha_min`` None the paper's
+    symmetric ``[-alpha_max, alpha_max]`` (None: no bound on that side)."""
+    low = alpha_min if alpha_min is not None else (None if alpha_max is None else -alpha_max)
+    return low, alpha_max
+
+
+def acrl_alpha(
+    advantages: Tensor, coef: Tensor | float, alpha_max: float | None = None, alpha_min: float | None = None
+) -> Tensor:
+    """``alpha = sign(A) * c`` (``c`` from :func:`acrl_coefficient`), clipped to ``[low, high]``.
+
+    The bounds are :func:`alpha_bounds`: ``[alpha_min, alpha_max]``, or ``[-alpha_max, alpha_max]``
+    when ``alpha_min`` is None (the paper's law when both are None). ``alpha_min = 0`` is sign-safe
+    ACRL: the weight ``rho ** alpha`` never inverts the importance weight.
 
     Args:
         advantages: ``[B, T]`` (or ``[B, 1]``) advantages; only their sign is used (``torch.sign``
             of NaN is 0, as in the fused kernel: a NaN advantage on padding reaches no weight).
-        coef: a float or ``[B, 1]`` (one per sequence), in the weights' dtype.
+        coef: a float or ``[B, 1]`` float64 (one per sequence).
+        alpha_max / alpha_min: the bounds (None: none on that side, as above).
     Returns:
-        ``alpha`` broadcast to ``advantages``' shape.
+        ``alpha`` float64, broadcast to ``advantages``' shape (the sign is exact in any dtype, so the
+        product is the float64 ``coef`` itself; the fused kernel computes it in float32).
     """
-    alpha = torch.sign(advantages.detach()) * coef
-    if alpha_max is not None:
-        alpha = alpha.clamp(-alpha_max, alpha_max)
+    alpha = torch.sign(advantages.detach()).to(torch.float64) * coef
+    low, high = alpha_bounds(alpha_max, alpha_min)
+    if low is not None or high is not None:
+        alpha = alpha.clamp(low, high)
     return alpha
 
 

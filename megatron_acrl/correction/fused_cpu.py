@@ -44,7 +44,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.acrl_weights_pass.restype = None
     lib.acrl_weights_pass.argtypes = [
         _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64,  # inputs, shape, strides
-        _p, _f64, _f32, _f32, _f32, _f64,  # coef, coef0, alpha_max, w_low, w_high, inv_tokens
+        _p, _f64, _f32, _f32, _f32, _f32, _f64,  # coef, coef0, alpha_lo, alpha_hi, w_low, w_high, inv_tok
         _p, _p, _p,  # outputs
     ]  # fmt: skip
     lib.acrl_mismatch_partials.restype = None
@@ -156,6 +156,7 @@ def acrl_weights(
     coef: Tensor | float,
     *,
     alpha_max: float | None,
+    alpha_min: float | None = None,
     weight_low: float | None,
     weight_high: float | None,
     num_tokens: int | Tensor,
@@ -169,7 +170,9 @@ def acrl_weights(
         old_logprobs, rollout_logprobs: ``[B, T]`` float32 log pi_old and log mu. mask: ``[B, T]``.
         advantages: ``[B, T]`` (any strides, e.g. a ``[B, 1]`` expanded) or ``[B, 1]``; only the sign.
         coef: ``gamma * (1 - Y / X)`` (``acrl.acrl_coefficient``), a float or ``[B]`` per sequence.
-        alpha_max: bound on ``|alpha|``; weight_low / weight_high: clamp of the weights (None: none).
+        alpha_max / alpha_min: alpha is clipped to ``[alpha_min, alpha_max]``, ``[-alpha_max,
+            alpha_max]`` with ``alpha_min`` None (``acrl.alpha_bounds``); alpha is float32 here, as
+            every per-token value of the kernel (the PyTorch path computes it in float64). weight_low / weight_high: clamp of the weights (None: none).
         num_tokens: the global token count the sums are divided by.
     Returns:
         ``weights`` ``[B, T]`` float32 (0 off the valid tokens), ``means`` ``[5]`` float64: sums over
@@ -198,7 +201,8 @@ def acrl_weights(
     _lib().acrl_weights_pass(  # type: ignore[union-attr]
         old.data_ptr(), roll.data_ptr(), m.data_ptr(), a.data_ptr(), b, t, old.stride(0), roll.stride(0),
         m.stride(0), sa_b, sa_t, None if per_seq is None else per_seq.data_ptr(), coef0,
-        _bound(alpha_max), 0.0 if weight_low is None else weight_low, _bound(weight_high),
+        -_bound(alpha_max) if alpha_min is None else float(alpha_min), _bound(alpha_max),
+        0.0 if weight_low is None else weight_low, _bound(weight_high),
         1.0 / max(float(num_tokens), 1.0), weights.data_ptr(), sums.data_ptr(), sums.data_ptr() + 40,
     )  # fmt: skip
     return weights, sums[:5], sums[5:]

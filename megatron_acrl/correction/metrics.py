@@ -309,7 +309,10 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
         if dev is None:
             continue
         mean = out[k]
-        sq = dev + 2.0 * mean - 1.0  # E[w^2] = E[(w - 1)^2] + 2 E[w] - 1
+        # E[w^2] = E[(w - 1)^2] + 2 E[w] - 1, and >= 0: a batch without a valid token has E[w] = 0
+        # and E[(w - 1)^2] = 0 (sums over nothing), where the identity gives -1; it reads 0 like
+        # weight_mean and weight_std (the ess, a ratio, is NaN there)
+        sq = max(dev + 2.0 * mean - 1.0, 0.0)
         out[base + "weight_sq_mean"] = sq
         out[base + "weight_std"] = math.sqrt(max(dev - (mean - 1.0) ** 2, 0.0))
         out[base + "ess"] = mean * mean / sq if sq > 0 else math.nan

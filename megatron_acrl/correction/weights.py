@@ -205,7 +205,7 @@ def _acrl(
     mf = sh.mask_f
     # alpha is 0 off the valid tokens (torch.sign(NaN) is 0, so nothing leaks through the product),
     # and so is log rho: the weight there is exp(0) = 1 until the final mask.
-    torch.mul(acrl_alpha(adv, coef, cfg.alpha_max), mf, out=alpha)
+    torch.mul(acrl_alpha(adv, coef, cfg.alpha_max, cfg.alpha_min), mf, out=alpha)
     exponent = alpha * sh.clamped
     torch.abs(exponent, out=saturated).ge_(LOG_RATIO_BOUND)  # the weight is cut at e^+-BOUND
     torch.exp(exponent.clamp_(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), out=weights)
@@ -357,7 +357,7 @@ def _acrl_fused(
     advantages, acrl = _acrl_inputs(advantages, acrl)
     weights, means_t, ext = fused_cpu.acrl_weights(
         sh.old_logprobs, sh.rollout_logprobs, sh.mask_in, advantages, acrl_coefficient(cfg, acrl, sh),
-        num_tokens=num_tokens, alpha_max=cfg.alpha_max, weight_low=cfg.weight_low,
+        num_tokens=num_tokens, alpha_max=cfg.alpha_max, alpha_min=cfg.alpha_min, weight_low=cfg.weight_low,
         weight_high=cfg.weight_high,
     )  # fmt: skip
     means = means_t.unbind(0)

@@ -5,7 +5,8 @@ with it. The pilot has no ACRL arm; this is how its runs inform the extension ar
 Per step the logged ``mismatch/prob_abs_diff`` (token mean of |pi_old - mu|) stands in for ACRL's Y
 (the sequence mean of the same distance, ``correction.distance: prob_abs``), the real
 :class:`AcrlController` turns the Y series into X and Y/X, and ``|alpha| = |gamma (1 - Y/X)|``
-(bounded by ``alpha_max``). The largest weight ``(pi_old/mu) ** alpha`` of a step is at most
+(the larger of the two signs' alpha clipped to ``[alpha_min, alpha_max]``, ``acrl.alpha_bounds``: for
+the paper's symmetric bound ``min(|gamma (1 - Y/X)|, alpha_max)``). The largest weight ``(pi_old/mu) ** alpha`` of a step is at most
 ``exp(|alpha| * max |log(pi_old/mu)|)`` (the logged ``mismatch/log_ratio_min`` / ``_max``; both
 signs of the advantage occur in a batch), then ``weight_high``: an upper bound, not a measurement.
 A step sampled at a lag below the controller's ``reference_lag`` (the logged
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_acrl.config import CorrectionConfig
-from megatron_acrl.correction.acrl import AcrlController
+from megatron_acrl.correction.acrl import AcrlController, alpha_bounds
 
 Y_KEY, LO_KEY, HI_KEY = "mismatch/prob_abs_diff", "mismatch/log_ratio_min", "mismatch/log_ratio_max"
 LAG_KEY = "async/staleness_max"
@@ -64,9 +65,7 @@ def replay(rows: Sequence[dict[str, Any]], cfg: CorrectionConfig, reference_lag:
         lag = int(lag) if isinstance(lag, int | float) else None
         sig = ctrl.update((float(y), 1.0), lag=lag)  # type: ignore[arg-type]
         ratio = 1.0 if sig.deferred else sig.y_over_x(cfg.eps)  # deferred: alpha = 0, as in training
-        a = abs(cfg.gamma * (1.0 - ratio))
-        if cfg.alpha_max is not None:
-            a = min(a, cfg.alpha_max)
+        a = _largest_alpha(cfg.gamma * (1.0 - ratio), cfg)
         lw = a * max(abs(float(lo)), abs(float(hi))) / math.log(10.0)  # type: ignore[arg-type]
         if cfg.weight_high is not None:
             lw = min(lw, math.log10(cfg.weight_high))
@@ -74,3 +73,10 @@ def replay(rows: Sequence[dict[str, Any]], cfg: CorrectionConfig, reference_lag:
         alpha.append(a)
         logw.append(lw)
     return Replay(yx, alpha, logw)
+
+
+def _largest_alpha(coef: float, cfg: CorrectionConfig) -> float:
+    """``max |alpha|`` over both signs of the advantage, alpha = +-coef clipped as in training."""
+    low, high = alpha_bounds(cfg.alpha_max, cfg.alpha_min)
+    lo, hi = -math.inf if low is None else low, math.inf if high is None else high
+    return max(abs(min(max(coef, lo), hi)), abs(min(max(-coef, lo), hi)))
