@@ -133,9 +133,9 @@ def test_weights_match_reference(method, extra, fused):
     [
         {"per_sequence_y": True},
         {"alpha_max": 0.1},
-    {"alpha_min": 0.0},  # sign-safe ACRL (issue #34)
-    {"alpha_min": 0.0, "alpha_max": 0.3},
-    {"alpha_min": -0.1, "alpha_max": 0.5, "per_sequence_y": True},
+        {"alpha_min": 0.0},  # sign-safe ACRL (issue #34)
+        {"alpha_min": 0.0, "alpha_max": 0.3},
+        {"alpha_min": -0.1, "alpha_max": 0.5, "per_sequence_y": True},
         {"weight_low": 0.9, "weight_high": 1.05},
         {"distance": "logprob_abs", "per_sequence_y": True},
         {"distance": "k3", "per_sequence_y": True},

@@ -105,7 +105,9 @@ def test_sign_safe_loss_and_gradient_match_a_float64_reference(fused: bool) -> N
     loss.backward()
     want, grad = _ref_loss_and_grad(new, lp, lq, mask, adv, cfg, alg)
     assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(logp.grad.double(), torch.tensor(grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        logp.grad.double(), torch.tensor(grad, dtype=torch.float64), rtol=1e-5, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("fused", KERNELS, ids=lambda f: "fused_cpu" if f else "torch")

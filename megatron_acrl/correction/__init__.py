@@ -1,9 +1,10 @@
 """Mismatch metrics, correction weights and the ACRL controller: pure torch, no Megatron, no collectives.
 
 Rooms: ``mismatch.py`` (the shared intermediates of one micro-batch), ``weights.py`` (the method
-table and its composition), ``acrl.py`` (the ACRL formula, statistics and controller), ``metrics.py``
-(partial metrics, combined and finalised), ``fused_cpu.py`` + ``_fused_cpu.c`` (the CPU fast path
-and the choice of it).
+table and its composition), ``acrl.py`` (the ACRL formula, statistics and controller),
+``step_control.py`` (the drift-budget learning-rate controller), ``metrics.py`` (partial metrics,
+combined and finalised), ``fused_cpu.py`` + ``_fused_cpu.c`` (the CPU fast path and the choice of
+it).
 """
 
 from megatron_acrl.correction import fused_cpu
@@ -24,6 +25,7 @@ from megatron_acrl.correction.metrics import (
     weight_metrics,
 )
 from megatron_acrl.correction.mismatch import MismatchTensors, valid_mask
+from megatron_acrl.correction.step_control import DriftBudgetController, drift_stats
 from megatron_acrl.correction.weights import METHODS, Correction, batch_weight_mean, compute_correction
 
 __all__ = [
@@ -31,12 +33,14 @@ __all__ = [
     "AcrlController",
     "AcrlSignal",
     "Correction",
+    "DriftBudgetController",
     "MismatchTensors",
     "acrl_alpha",
     "acrl_coefficient",
     "acrl_discrepancy_stats",
     "batch_weight_mean",
     "combine_partials",
+    "drift_stats",
     "compute_correction",
     "finalize_metrics",
     "fused_cpu",

@@ -172,7 +172,8 @@ def acrl_weights(
         coef: ``gamma * (1 - Y / X)`` (``acrl.acrl_coefficient``), a float or ``[B]`` per sequence.
         alpha_max / alpha_min: alpha is clipped to ``[alpha_min, alpha_max]``, ``[-alpha_max,
             alpha_max]`` with ``alpha_min`` None (``acrl.alpha_bounds``); alpha is float32 here, as
-            every per-token value of the kernel (the PyTorch path computes it in float64). weight_low / weight_high: clamp of the weights (None: none).
+            every per-token value of the kernel (the PyTorch path computes it in float64).
+        weight_low / weight_high: clamp of the weights (None: none).
         num_tokens: the global token count the sums are divided by.
     Returns:
         ``weights`` ``[B, T]`` float32 (0 off the valid tokens), ``means`` ``[5]`` float64: sums over

@@ -133,6 +133,9 @@ class ModelTrainer:
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler(total_steps)
         self.step = 0
+        # the learning-rate multiplier of the coming optimizer steps (correction.step_control): applied
+        # to the param groups around optimizer.step() only, so the scheduler never sees it
+        self.lr_scale = 1.0
 
     def _build_chunks(self) -> list[torch.nn.Module]:
         """This rank's (not yet DDP-wrapped) model chunks; subclasses may change their heads."""
@@ -349,8 +352,8 @@ class ModelTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run_schedule(self.model, micro, loss_func_for, False, False)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-        ok, grad_norm, _ = self.optimizer.step()
+        lr = float(self.optimizer.param_groups[0]["lr"]) * self.lr_scale  # the rate this step uses
+        ok, grad_norm = self._scaled_optimizer_step()
         self.scheduler.step(increment=1)
         self.step += 1
 
@@ -363,6 +366,27 @@ class ModelTrainer:
         metrics["lr"] = lr
         metrics["update_successful"] = float(bool(ok))
         return metrics
+
+    def _scaled_optimizer_step(self) -> tuple[bool, Any]:
+        """``optimizer.step()`` with every param group's rate times :attr:`lr_scale`, restored after.
+
+        The scheduler wrote the groups' rates (``lr_mult`` included) after the previous step and
+        writes them again after this one; the scale lives only inside this call, so the schedule,
+        its state and the checkpoint are those of an unscaled run. A scale of 1 touches nothing.
+        """
+        groups = self.optimizer.param_groups
+        scale = self.lr_scale
+        saved = [g["lr"] for g in groups] if scale != 1.0 else None
+        if saved is not None:
+            for g in groups:
+                g["lr"] = g["lr"] * scale
+        try:
+            ok, grad_norm, _ = self.optimizer.step()
+        finally:
+            if saved is not None:
+                for g, lr in zip(groups, saved, strict=True):
+                    g["lr"] = lr
+        return ok, grad_norm
 
     # ----------------------------------------------------------------------------------------
     # HF weights (hf_io): the stream and the reader, with this model's name mapping

@@ -27,9 +27,11 @@ from megatron_acrl.batch.train_batch import TrainBatch, check_train_batch
 from megatron_acrl.config import Config
 from megatron_acrl.correction import (
     AcrlController,
+    DriftBudgetController,
     MismatchTensors,
     acrl_discrepancy_stats,
     batch_weight_mean,
+    drift_stats,
     valid_mask,
 )
 from megatron_acrl.megatron import checkpoint, convert, hf_io
@@ -96,6 +98,9 @@ class Policy(ModelTrainer):
             AcrlController(cfg.correction, reference_lag=cfg.acrl_reference_lag)
             if cfg.correction.method == "acrl"
             else None
+        )
+        self.step_controller = (
+            DriftBudgetController(cfg.correction) if cfg.correction.step_control == "drift_budget" else None
         )
         self._own_routing: torch.Tensor | None = None  # [N, L, local MoE layers, k], last pi_old pass
         self._applied_routing: torch.Tensor | None = None  # what those routers used (after replay)
@@ -333,33 +338,47 @@ class Policy(ModelTrainer):
         """Observe one rollout batch (call once, before its first optimizer step).
 
         Statistics of this DP rank's sequences are all-reduced (SUM) over DP on the last stage,
-        the controller is updated there and its state broadcast over the pipeline group. With
-        ``trainer_version`` and the batch's ``token_versions`` ``[N, L]``, the batch's sampling lag
-        decides whether it may be measured into the reference (``correction.reference_lag``).
-        Returns the controller's metrics (empty when the method is not acrl).
+        the controllers (ACRL's, the drift-budget step controller) are updated there and their state
+        broadcast over the pipeline group. With ``trainer_version`` and the batch's
+        ``token_versions`` ``[N, L]``, the batch's sampling lag decides whether it may be measured
+        into ACRL's reference (``correction.reference_lag``), and its lag-0 tokens give the step
+        controller's reference drift. The step controller's scale becomes :attr:`lr_scale`, the
+        multiplier of this batch's optimizer steps. Returns the controllers' metrics.
         """
-        if self.controller is None:
+        if self.controller is None and self.step_controller is None:
             return {}
         state = None
         if self.is_last_stage:
             n = batch["tokens"].shape[0]
             per_rank = n // self.dp_size
             sl = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
-            stats = acrl_discrepancy_stats(
-                MismatchTensors(
-                    batch["old_logprobs"][sl].float(),
-                    batch["rollout_logprobs"][sl].float(),
-                    batch["loss_mask"][sl],
-                    fused=self.adapter.fused,
-                ),
-                self.cfg.correction.distance,
-            )
-            dist.all_reduce(stats, group=self.pg.dp)
-            self.controller.update(stats, lag=batch_lag(batch, trainer_version))
-            state = self.controller.state_dict()
+            old, roll = batch["old_logprobs"][sl].float(), batch["rollout_logprobs"][sl].float()
+            sh = MismatchTensors(old, roll, batch["loss_mask"][sl], fused=self.adapter.fused)
+            state = {}
+            if self.controller is not None:
+                stats = acrl_discrepancy_stats(sh, self.cfg.correction.distance)
+                dist.all_reduce(stats, group=self.pg.dp)
+                self.controller.update(stats, lag=batch_lag(batch, trainer_version))
+                state["acrl"] = self.controller.state_dict()
+            if self.step_controller is not None:
+                lag0 = lag0_mask(batch, trainer_version)
+                lag0_sh = (
+                    sh if lag0 is None else MismatchTensors(old, roll, lag0[sl], fused=self.adapter.fused)
+                )
+                drift = drift_stats(sh, lag0_sh)
+                dist.all_reduce(drift, group=self.pg.dp)
+                self.step_controller.update(drift)
+                state["step"] = self.step_controller.state_dict()
         state = self._broadcast_from_last_stage(state)
-        self.controller.load_state_dict(state)
-        return self.controller.metrics()
+        metrics: dict[str, float] = {}
+        if self.controller is not None:
+            self.controller.load_state_dict(state["acrl"])
+            metrics.update(self.controller.metrics())
+        if self.step_controller is not None:
+            self.step_controller.load_state_dict(state["step"])
+            self.lr_scale = self.step_controller.scale
+            metrics.update(self.step_controller.metrics())
+        return metrics
 
     # ----------------------------------------------------------------------------------------
     # One optimizer step
@@ -405,6 +424,8 @@ class Policy(ModelTrainer):
         finally:
             if self.routing is not None:
                 self.routing.end()
+        if self.step_controller is not None:
+            metrics.update(self.step_controller.metrics())
         if self.controller is not None:
             metrics.update(self.controller.metrics())
             if dist.get_rank() == 0:
@@ -484,6 +505,8 @@ class Policy(ModelTrainer):
         reloaded by ``load_hf`` when the run starts."""
         state = super().sharded_state_dict(is_loading)
         state["controller"] = self.controller.state_dict() if self.controller is not None else None
+        if self.step_controller is not None:  # (absent otherwise: a run without it saves what it did)
+            state["step_controller"] = self.step_controller.state_dict()
         return state
 
     def load_dist(self, path: str | os.PathLike) -> None:
@@ -493,6 +516,11 @@ class Policy(ModelTrainer):
             saved = checkpoint.load_common_state(path).get("controller")
             if saved is not None:
                 self.controller.load_state_dict(saved)
+        if self.step_controller is not None:
+            saved = checkpoint.load_common_state(path).get("step_controller")
+            if saved is not None:  # (a checkpoint from before step control: measured anew)
+                self.step_controller.load_state_dict(saved)
+                self.lr_scale = self.step_controller.scale
 
     def save_checkpoint(
         self, directory: str | os.PathLike, also: Sequence[Callable[[Path], None]] = ()
@@ -524,3 +552,13 @@ def batch_lag(batch: Mapping[str, torch.Tensor], trainer_version: int | None) ->
     if not bool(valid.any()):
         return None
     return trainer_version - int(versions[valid].min())
+
+
+def lag0_mask(batch: Mapping[str, torch.Tensor], trainer_version: int | None) -> torch.Tensor | None:
+    """``[N, L]`` bool: the trained tokens sampled with the weights about to be trained (lag 0), from
+    ``token_versions``; None without versions (every token then counts as lag 0, as ACRL's
+    controller measures a batch without versions)."""
+    versions = batch.get("token_versions")
+    if versions is None or trainer_version is None:
+        return None
+    return (batch["loss_mask"] > 0) & (versions == trainer_version)

@@ -4,9 +4,10 @@ with it. The pilot has no ACRL arm; this is how its runs inform the extension ar
 
 Per step the logged ``mismatch/prob_abs_diff`` (token mean of |pi_old - mu|) stands in for ACRL's Y
 (the sequence mean of the same distance, ``correction.distance: prob_abs``), the real
-:class:`AcrlController` turns the Y series into X and Y/X, and ``|alpha| = |gamma (1 - Y/X)|``
-(the larger of the two signs' alpha clipped to ``[alpha_min, alpha_max]``, ``acrl.alpha_bounds``: for
-the paper's symmetric bound ``min(|gamma (1 - Y/X)|, alpha_max)``). The largest weight ``(pi_old/mu) ** alpha`` of a step is at most
+:class:`AcrlController` turns the Y series into X and Y/X, and ``|alpha|`` is the larger over both
+signs of ``+-gamma (1 - Y/X)`` clipped to ``[alpha_min, alpha_max]`` (``acrl.alpha_bounds``; for the
+paper's symmetric bound ``min(|gamma (1 - Y/X)|, alpha_max)``). The largest weight
+``(pi_old/mu) ** alpha`` of a step is at most
 ``exp(|alpha| * max |log(pi_old/mu)|)`` (the logged ``mismatch/log_ratio_min`` / ``_max``; both
 signs of the advantage occur in a batch), then ``weight_high``: an upper bound, not a measurement.
 A step sampled at a lag below the controller's ``reference_lag`` (the logged
