@@ -320,8 +320,11 @@ def _policy_gradient(
         logprobs / old_logprobs / advantages / loss_mask: ``[B, T]`` as in :func:`rl_loss`.
         weights: ``[B, T]`` detached correction weights. agg: ``[B, T] -> scalar`` partial.
     Returns:
-        ``(pg_loss, {"loss/pg_loss", "loss/pg_clipfrac", "loss/ppo_kl"})``; the clip fraction and
-        the k1 estimate of KL(pi_old || pi) are token means over the global ``num_tokens``.
+        ``(pg_loss, {"loss/pg_loss", "loss/pg_clipfrac", "loss/ppo_kl", "loss/dual_clip_frac",
+        "loss/ratio_max"})``; the clip fractions and the k1 estimate of KL(pi_old || pi) are token
+        means over the global ``num_tokens``; ``ratio_max`` is the largest pi / pi_old on a trained
+        token (a max: MAX over micro-batches and ranks), the evidence of a ratio explosion on stale
+        negative-advantage tokens, which ``dual_clip_frac`` says the dual clip bounded.
     """
     pg, clipped = ppo_policy_loss(
         logprobs,
@@ -336,9 +339,36 @@ def _policy_gradient(
     pg_loss = agg(pg)
     n_tok = torch.as_tensor(num_tokens, dtype=logprobs.dtype, device=logprobs.device).clamp_min(1)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    ppo_kl = torch.where(loss_mask.bool(), old_logprobs.detach() - logprobs.detach(), zero)
-    stats = torch.stack([clipped.sum().to(ppo_kl.dtype), ppo_kl.sum()]) / n_tok
-    return pg_loss, {"loss/pg_loss": pg_loss.detach(), "loss/pg_clipfrac": stats[0], "loss/ppo_kl": stats[1]}
+    m = loss_mask.bool()
+    ppo_kl = torch.where(m, old_logprobs.detach() - logprobs.detach(), zero)
+    ratio = torch.exp(-ppo_kl)  # pi / pi_old, 1 off the trained tokens
+    dual = _dual_clipped(ratio, advantages, m, algorithm)
+    stats = torch.stack([clipped.sum().to(ppo_kl.dtype), ppo_kl.sum(), dual.sum().to(ppo_kl.dtype)]) / n_tok
+    metrics = {
+        "loss/pg_loss": pg_loss.detach(),
+        "loss/pg_clipfrac": stats[0],
+        "loss/ppo_kl": stats[1],
+        "loss/dual_clip_frac": stats[2],
+        "loss/ratio_max": _masked_max(ratio, m),
+    }
+    return pg_loss, metrics
+
+
+def _dual_clipped(ratio: Tensor, advantages: Tensor, mask: Tensor, algorithm: AlgorithmConfig) -> Tensor:
+    """``[B, T]`` bool: the trained tokens whose loss the dual clip bounds (``A < 0`` and the clipped
+    surrogate's ratio ``max(r, clip(r))`` above ``dual_clip``); none without a dual clip."""
+    if algorithm.dual_clip is None:
+        return torch.zeros_like(mask)
+    r_clip = torch.maximum(ratio, ratio.clamp(1.0 - algorithm.clip_low, 1.0 + algorithm.clip_high))
+    return mask & (advantages.detach() < 0) & (r_clip > algorithm.dual_clip)
+
+
+def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    """The largest ``x`` on the trained tokens, ``-inf`` without any (the MAX reduction's identity:
+    a ``*_max`` metric is all-reduced with MAX, :func:`~megatron_acrl.correction.reduce_kind`)."""
+    if x.numel() == 0:
+        return torch.full((), -torch.inf, dtype=x.dtype, device=x.device)
+    return torch.where(mask, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device)).amax()
 
 
 def _regularized(
