@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first mutate clean
+.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first study-sweep-pilot study-sweep mutate clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,21 @@ study: $(STAMP)
 study-pilot: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/stress_lag_pilot.yaml --jobs 2 --out runs/study \
 		--report runs/study/pilot_report $(STUDY_ARGS)
+
+# Issue #34's pilot: dual_clip = 3 alone and the step controller alone on BF16 + lag 8, TIS + the
+# step controller on stress + lag 8 (2 seeds x 100 steps; the first pilot's BF16 / lag / TIS runs
+# are reused from docs/study/stress_lag_pilot.runs.json) -> runs/study/sweep_pilot_report.
+study-sweep-pilot: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/lag_sweep_pilot.yaml --jobs 2 --out runs/study \
+		--report runs/study/sweep_pilot_report $(STUDY_ARGS)
+
+# Issue #34's lag sweep: lags {0, 2, 8} x {none, TIS, ACRL-ext, TIS + step control, sign-safe ACRL +
+# step control}, the 30 lag-8 runs of `make study` reused (docs/study/stress_lag.runs.json), 42 new
+# runs -> docs/study/REPORT.md with the pre-registered verdicts and the pick table.
+# `make study-sweep STUDY_ARGS=--dry-run` lists the runs it would start.
+study-sweep: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/lag_sweep.yaml --jobs 2 --out runs/study \
+		--report docs/study $(STUDY_ARGS)
 
 # The first study (issue #7): dense FP8, dense truncated-FP8 stress, MoE stress grids, run
 # concurrently (--jobs 3) -> its own report in docs/study/first/ (docs/study/REPORT.md carries the

@@ -20,6 +20,7 @@ from pathlib import Path
 from megatron_acrl import study
 from megatron_acrl.config import ConfigError
 from megatron_acrl.config.exit_codes import CONFIG_ERROR
+from megatron_acrl.study.exact import without_reused
 from megatron_acrl.study.grid import Grid, conflicting_arm, load_grid
 from megatron_acrl.study.report import write_report
 from megatron_acrl.study.run import StudyStopped, run_grids
@@ -33,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="runs/study", help="where the runs go (finished runs are reused)")
     ap.add_argument("--report", default="docs/study", help="where REPORT.md and the plots go")
     ap.add_argument("--report-only", action="store_true", help="write the report from finished runs")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the grid files and list the runs that would start (nothing runs, nothing is written)",
+    )
     ap.add_argument("--note", default="", help="a paragraph for the top of the report (how it was run)")
     ap.add_argument(
         "--seeds",
@@ -58,15 +64,36 @@ def run_study(
     that failed."""
     out = Path(args.out)
     t0 = time.monotonic()
-    todo = grids
+    todo = [without_reused(g, Path(args.report)) for g in grids]  # archived runs of a `reuse` grid
     if args.seeds:
-        todo = [dataclasses.replace(g, seeds=tuple(x for x in g.seeds if x in args.seeds)) for g in grids]
+        todo = [dataclasses.replace(g, seeds=tuple(x for x in g.seeds if x in args.seeds)) for g in todo]
     failed = run_grids([g for g in todo if g.seeds], out, args.jobs, stop)
     wall = time.monotonic() - t0
     (out / "study_wall.json").write_text(
         json.dumps({"wall_s": wall, "grids": [g.name for g in grids], "jobs": args.jobs}) + "\n"
     )
     return wall, failed
+
+
+def dry_run(args: argparse.Namespace, grids: list[Grid]) -> int:
+    """Print each grid's runs (arm, seeds; the ones a ``reuse`` grid's archive holds marked) and
+    its pre-registered verdicts; runs nothing."""
+    total = 0
+    for g in grids:
+        left = without_reused(g, Path(args.report))
+        print(f"{g.name}: {g.title}")
+        for arm in g.arms:
+            todo = left.seeds_of(arm) if arm in left.arms else ()
+            if args.seeds:
+                todo = tuple(s for s in todo if s in args.seeds)
+            reused = [s for s in g.seeds_of(arm) if s not in todo]
+            total += len(todo)
+            note = f" (reused from {g.reuse}: seeds {reused})" if reused and g.reuse else ""
+            print(f"  {arm}: seeds {list(todo)}{note}")
+        for i, v in enumerate(g.verdicts, 1):
+            print(f"  verdict {i}: {' '.join(v.split())}")
+    print(f"dry run: {total} run(s) would start")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if arm is not None:
         print(f"arm {arm!r} appears in several grids with different settings; rename one", file=sys.stderr)
         return CONFIG_ERROR
+    if args.dry_run:
+        return dry_run(args, grids)
     t0 = time.monotonic()
     try:
         with stop_on_signals() as stop:

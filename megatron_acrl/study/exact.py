@@ -15,6 +15,7 @@ learned nothing usable: it counts as J = 0, and the table says how many runs fai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_acrl.logging import read_jsonl_metrics
-from megatron_acrl.study.grid import Grid
+from megatron_acrl.study.grid import Grid, reused_arms
 from megatron_acrl.study.stats import smooth
 
 KEEP = (
@@ -43,6 +44,9 @@ KEEP = (
     "correction/weight_max",
     "update_successful",
     "time/step",
+    # issue #34's lag sweep: the step controller's scale, the largest PPO ratio
+    "step_control/scale",
+    "loss/ratio_max",
 )
 """The metrics a run's archived rows keep (what the exact report reads)."""
 
@@ -88,19 +92,55 @@ def archive_path(grid: Grid, report_dir: Path) -> Path:
     return report_dir / f"{grid.name}.runs.json"
 
 
+ARCHIVE_HOME = Path("docs/study")
+"""Where the study's archives are committed: a ``reuse`` grid's archive is read from the report
+directory, else from here (a pilot reports elsewhere, and still reuses the committed runs)."""
+
+
+def reused_runs(grid: Grid, report_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The archived runs of ``grid.reuse``'s arms that ``grid`` shares (same settings, checked when the
+    grid loaded), by arm; empty without a ``reuse`` grid or its archive."""
+    if not grid.reuse:
+        return {}
+    name = f"{Path(grid.reuse).stem}.runs.json"
+    path = next((p for p in (report_dir / name, ARCHIVE_HOME / name) if p.exists()), None)
+    if path is None:
+        return {}
+    runs = json.loads(path.read_text())["runs"]
+    return {arm: list(runs[arm]) for arm in reused_arms(grid) if arm in runs}
+
+
+def without_reused(grid: Grid, report_dir: Path) -> Grid:
+    """``grid`` less the runs its ``reuse`` grid's archive already holds finished (they are not run
+    again; a failed one is, as the study reruns a failed run)."""
+    reused = reused_runs(grid, report_dir)
+    if not reused:
+        return grid
+    arm_seeds, arms = dict(grid.arm_seeds), dict(grid.arms)
+    for arm, rs in reused.items():
+        have = {int(r["seed"]) for r in rs if not r.get("failed")}
+        left = tuple(s for s in grid.seeds_of(arm) if s not in have)
+        if left:
+            arm_seeds[arm] = left
+        else:
+            arms.pop(arm)
+            arm_seeds.pop(arm, None)
+    return dataclasses.replace(grid, arms=arms, arm_seeds=arm_seeds)
+
+
 def load_runs(grid: Grid, out: Path, report_dir: Path) -> dict[str, list[RunRecord]]:
     """Every run of ``grid`` by arm, in seed order: from ``out`` where it is there, else from the
     grid's archive; the archive is rewritten with the union (a run under ``out`` replaces its archived
     copy, an archived run missing from ``out`` is kept), so no finished run is lost."""
     archive = archive_path(grid, report_dir)
-    kept: dict[str, list[dict[str, Any]]] = {}
+    kept = reused_runs(grid, report_dir)  # the reused grid's runs of shared arms, overridden by ours
     if archive.exists():
-        kept = json.loads(archive.read_text())["runs"]
+        kept.update(json.loads(archive.read_text())["runs"])
     runs: dict[str, list[RunRecord]] = {}
     for arm in grid.arms:
         old = {int(r["seed"]): r for r in kept.get(arm, [])}
         runs[arm] = []
-        for s in grid.seeds:
+        for s in grid.seeds_of(arm):
             r = _read_run(out / f"{arm}-s{s}", arm, s)
             if r is None and s in old:
                 r = RunRecord(**old[s])

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_acrl.config import Config
-from megatron_acrl.study import verdicts
+from megatron_acrl.study import sweep, verdicts
 from megatron_acrl.study.exact import ExactArm, series
 from megatron_acrl.study.grid import ROLES, Grid
 from megatron_acrl.study.replay import replay
@@ -353,6 +353,8 @@ def exact_section(
         "",
     ]
     lines += _arms_list(grid) + [""]
+    if arms and grid.verdicts:  # issue #34's lag sweep: its pre-registered verdicts and pick table
+        lines += sweep.section(grid, arms)
     if arms:
         lines += ["### Verdicts", "", *grid_verdicts(grid, arms), ""]
         lines += ["### Per arm", "", COLUMNS, "", *table(grid, arms), ""]

@@ -8,6 +8,12 @@ Two kinds of grid: ``reward`` (the first study's: verdicts on the sampled reward
 (verdicts on the exact metric, ``training.exact_eval_interval``): an exact grid names the arm of each
 role its verdicts compare (:data:`ROLES`), and may name its ``pilot`` grid (run before it, on other
 seeds) and the ``choices`` made from the pilot, written down before the grid runs.
+
+Issue #34's lag sweep adds three keys: ``arm_seeds`` (``{arm: [seeds]}``, an arm run on other seeds
+than the grid's ``seeds``, e.g. 6 seeds for some cells and 3 elsewhere), ``reuse`` (another grid
+file whose archived runs, ``<report dir>/<grid>.runs.json``, stand for this grid's arms of the same
+name: their settings must be identical, checked here; such runs are not run again) and
+``verdicts`` (the verdicts, written into the grid file before it runs).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ GRID_KEYS = (
     "roles",
     "pilot",
     "choices",
+    "arm_seeds",
+    "reuse",
+    "verdicts",
 )
 
 ROLES = {
@@ -75,6 +84,17 @@ class Grid:
     """Exact grids: what was chosen from the pilot, and why (written before the grid ran)."""
     configs: dict[str, Config] = field(default_factory=dict, compare=False, repr=False)
     """Each arm's validated config (seed aside)."""
+    arm_seeds: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Arms run on other seeds than :attr:`seeds` (``seeds`` is then the union, for the shards)."""
+    reuse: str = ""
+    """A grid file whose archived runs stand for this grid's arms of the same name and settings."""
+    verdicts: tuple[str, ...] = ()
+    """The verdicts, as pre-registered in the grid file."""
+
+    def seeds_of(self, arm: str) -> tuple[int, ...]:
+        """The seeds ``arm`` runs on: its ``arm_seeds`` entry (within :attr:`seeds`), else the grid's."""
+        own = self.arm_seeds.get(arm)
+        return self.seeds if own is None else tuple(s for s in own if s in self.seeds)
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -102,6 +122,11 @@ def load_grid(path: str | Path) -> Grid:
     kind = str(data.get("kind", "reward"))
     roles = {str(k): str(v) for k, v in (data.get("roles") or {}).items()}
     _check_exact(path, kind, roles, arms, configs, str(data.get("pilot", "")))
+    arm_seeds = _arm_seeds(path, data.get("arm_seeds") or {}, arms)
+    seeds = tuple(dict.fromkeys([*seeds, *(s for ss in arm_seeds.values() for s in ss)]))
+    reuse = str(data.get("reuse", ""))
+    if reuse:
+        _check_reuse(path, reuse, str(data["base"]), tuple(str(o) for o in data.get("common", [])), arms)
     return Grid(
         base=str(data["base"]),
         common=tuple(str(o) for o in data.get("common", [])),
@@ -118,7 +143,40 @@ def load_grid(path: str | Path) -> Grid:
         pilot=str(data.get("pilot", "")),
         choices=str(data.get("choices", "")).strip(),
         configs=configs,
+        arm_seeds=arm_seeds,
+        reuse=reuse,
+        verdicts=tuple(str(v).strip() for v in data.get("verdicts") or ()),
     )
+
+
+def _arm_seeds(path: str | Path, raw: dict, arms: dict) -> dict[str, tuple[int, ...]]:
+    """``arm_seeds``: known arms, distinct seeds."""
+    out = {str(k): tuple(int(s) for s in v) for k, v in raw.items()}
+    for arm, ss in out.items():
+        if arm not in arms:
+            raise ConfigError([(f"{path}.arm_seeds.{arm}", "names no arm of the grid")])
+        if not ss or len(set(ss)) != len(ss):
+            raise ConfigError([(f"{path}.arm_seeds.{arm}", f"need distinct seeds, got {list(ss)}")])
+    return out
+
+
+def _check_reuse(path: str | Path, reuse: str, base: str, common: tuple[str, ...], arms: dict) -> None:
+    """The reused grid exists, and every arm both grids name is the same run in both."""
+    if not Path(reuse).is_file():
+        raise ConfigError([(f"{path}.reuse", f"no such grid file: {reuse}")])
+    other = yaml.safe_load(Path(reuse).read_text()) or {}
+    theirs = {str(k): tuple(str(o) for o in (v or [])) for k, v in (other.get("arms") or {}).items()}
+    same_base = str(other.get("base")) == base and tuple(str(o) for o in other.get("common", [])) == common
+    for arm in set(arms) & set(theirs):
+        if not same_base or arms[arm] != theirs[arm]:
+            raise ConfigError(
+                [
+                    (
+                        f"{path}.arms.{arm}",
+                        f"reuses {reuse}'s runs of {arm!r} but its settings differ: rename it",
+                    )
+                ]
+            )
 
 
 def _check_exact(
@@ -152,6 +210,14 @@ def _check_exact(
         errors.append((f"{path}.pilot", f"no such grid file: {pilot}"))
     if errors:
         raise ConfigError(errors)
+
+
+def reused_arms(grid: Grid) -> tuple[str, ...]:
+    """The arms of ``grid`` that its ``reuse`` grid also has (same settings, checked on load)."""
+    if not grid.reuse:
+        return ()
+    other = yaml.safe_load(Path(grid.reuse).read_text()) or {}
+    return tuple(a for a in grid.arms if a in (other.get("arms") or {}))
 
 
 def conflicting_arm(grids: Sequence[Grid]) -> str | None:

@@ -208,7 +208,7 @@ def run_grid(
     returns the wall seconds spent and the runs that failed. A failed run gets one retry on a fresh
     server; failing again it is recorded (module doc) and the grid goes on."""
     t0 = time.monotonic()
-    todo = [(arm, seed) for seed in grid.seeds for arm in grid.arms]
+    todo = [(arm, seed) for seed in grid.seeds for arm in grid.arms if seed in grid.seeds_of(arm)]
     out.mkdir(parents=True, exist_ok=True)
     retried: set[tuple[str, int]] = set()
     failed: list[tuple[str, int]] = []
