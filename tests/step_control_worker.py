@@ -68,7 +68,25 @@ def scenario_step_control(args: dict[str, Any]) -> dict[str, Any]:
     out["resumed"] = again.step_controller.state_dict()
     del again
     parallel_state.destroy_model_parallel()
+    out["both"] = _with_acrl(base, fresh, stale)
     return out
+
+
+def _with_acrl(base: Any, fresh: dict, stale: dict) -> dict[str, Any]:
+    """ACRL's controller and the step controller side by side, and ACRL alone (no step control: the
+    rate untouched)."""
+    res: dict[str, Any] = {}
+    for name, step_control in (("both", "drift_budget"), ("acrl", "none")):
+        corr = dataclasses.replace(base.correction, batch_normalize=False, step_control=step_control)
+        trainer = _policy(dataclasses.replace(base, correction=corr))
+        m0 = trainer.update_controller(fresh, trainer_version=0)
+        m1 = trainer.update_controller(stale, trainer_version=8)
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        metrics = trainer.train_step(stale)
+        res[name] = {"m0": m0, "m1": m1, "lr": lr, "metrics": metrics, "scale": trainer.lr_scale}
+        del trainer
+        parallel_state.destroy_model_parallel()
+    return res
 
 
 if __name__ == "__main__":

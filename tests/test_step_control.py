@@ -140,6 +140,11 @@ def test_the_scale_reaches_the_optimizer_on_every_rank_and_resumes(tmp_path) -> 
         assert r["metrics"]["step_control/scale"] == r0["scale"]
         assert r["resumed"] == r["state"]  # the checkpoint holds the controller's state
         assert r["lag0_scale"] == 1.0
+        both, acrl = r["both"]["both"], r["both"]["acrl"]
+        assert both["m1"]["acrl/y"] == acrl["m1"]["acrl/y"]  # ACRL's controller unchanged beside it
+        assert both["m1"]["step_control/scale"] < 1.0 and "step_control/scale" not in acrl["m1"]
+        assert acrl["scale"] == 1.0 and acrl["metrics"]["lr"] == acrl["lr"]
+        assert both["metrics"]["lr"] == pytest.approx(both["lr"] * both["scale"])
 
 
 def _worker():
