@@ -183,9 +183,9 @@ void acrl_mismatch_pass(const float *old_logprobs, const float *rollout_logprobs
 }
 
 /* ACRL weights w = exp(clamp(alpha * clamp(log rho), +-B)), alpha = sign(A) * coef[b] clipped to
- * [alpha_lo, alpha_hi] (float32, like every per-token value here), then clamped to [w_low, w_high], 0 off the valid tokens (as in acrl_mismatch_pass):
- * the C twin of the acrl entry of weights.py (alpha as in acrl.py's acrl_alpha, coef from its
- * acrl_coefficient).
+ * [alpha_lo, alpha_hi] (float32, like every per-token value here), then clamped to [w_low, w_high],
+ * 0 off the valid tokens (as in acrl_mismatch_pass): the C twin of the acrl entry of weights.py
+ * (alpha as in acrl.py's acrl_alpha, coef from its acrl_coefficient).
  *
  * old_logprobs, rollout_logprobs, mask: as in acrl_mismatch_pass.
  * adv: advantages with strides (sa_b, sa_t) (sa_t = 0 for one advantage per sequence); coef: [B]
@@ -199,8 +199,8 @@ void acrl_mismatch_pass(const float *old_logprobs, const float *rollout_logprobs
 void acrl_weights_pass(const float *old_logprobs, const float *rollout_logprobs, const uint8_t *mask,
                        const float *adv, int64_t B, int64_t T, int64_t sp, int64_t sq, int64_t sm,
                        int64_t sa_b, int64_t sa_t, const double *coef, double coef0, float alpha_lo,
-                       float alpha_hi, float w_low, float w_high, double inv_tokens, float *weights, double *stats,
-                       double *wext) {
+                       float alpha_hi, float w_low, float w_high, double inv_tokens, float *weights,
+                       double *stats, double *wext) {
     double s_w = 0, s_w2 = 0, s_a = 0, s_aa = 0, s_sat = 0;
     float w_max = -INFINITY, w_min = INFINITY;
     for (int64_t b = 0; b < B; ++b) {
