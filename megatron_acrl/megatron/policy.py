@@ -121,10 +121,10 @@ class Policy(ModelTrainer):
         In order: pi_old (:meth:`forward_logprobs`; under R2 its ``recorded_experts``, which the
         training pass replays), the routing mismatch (:meth:`routing_metrics`), the reference
         log-probs (``algorithm.kl_coef`` > 0), the critic's values (PPO), the advantages (and PPO's
-        returns, :func:`~megatron_acrl.algo.advantages.compute_advantages`) and the ACRL
-        controller's update (:meth:`update_controller`, once per rollout batch, before its first
-        optimizer step). The result is checked once
-        (:func:`~megatron_acrl.batch.train_batch.check_train_batch`).
+        returns, :func:`~megatron_acrl.algo.advantages.compute_advantages`) and the controllers'
+        update (ACRL's and the drift-budget step controller's, :meth:`update_controller`, once per
+        rollout batch, before its first optimizer step: the step controller sets :attr:`lr_scale`).
+        The result is checked once (:func:`~megatron_acrl.batch.train_batch.check_train_batch`).
 
         Args:
             tb: the rollout batch (:meth:`RolloutBatch.tensors`); not modified.
@@ -135,7 +135,7 @@ class Policy(ModelTrainer):
             ``(train batch, metrics)``: the batch with ``old_logprobs``, ``advantages`` and, as the run
             needs them, ``recorded_experts``, ``ref_logprobs``, ``values``, ``returns`` (module doc of
             :mod:`megatron_acrl.batch.train_batch`); ``routing/*``, ``advantages/*`` (PPO:
-            ``critic/*``) and ``acrl/*`` metrics.
+            ``critic/*``), ``acrl/*`` and ``step_control/*`` metrics.
         """
         tb = TrainBatch(**tb)  # a new dict: the caller's batch keeps its keys
         old = self.forward_logprobs(tb)  # pi_old (MoE: replays / observes the routing)
