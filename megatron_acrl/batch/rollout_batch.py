@@ -61,6 +61,8 @@ class RolloutBatch:
     routed_experts: Tensor | None = None
     token_versions: Tensor | None = None
     turn_ids: Tensor | None = None
+    agent_rows: list[dict[str, float]] = field(default_factory=list)
+    """Agent rollouts: per row, its trajectory's counts (turns, tool calls, ...) for ``agent/*``."""
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -93,6 +95,7 @@ class RolloutBatch:
             weight_versions=[self.weight_versions[i] for i in pick] if self.weight_versions else [],
             prompts=[self.prompts[i] for i in pick] if self.prompts else [],
             completions=[self.completions[i] for i in pick] if self.completions else [],
+            agent_rows=[self.agent_rows[i] for i in pick] if self.agent_rows else [],
             num_nonfinite_logprobs=self.num_nonfinite_logprobs,
             routed_experts=self.routed_experts[idx] if self.routed_experts is not None else None,
             token_versions=self.token_versions[idx] if self.token_versions is not None else None,
@@ -114,7 +117,7 @@ class RolloutBatch:
         }
         for k in ("rewards", "group_ids", "response_len"):
             out[k] = torch.cat([getattr(b, k) for b in batches])
-        for k in ("finish_reasons", "weight_versions", "prompts", "completions"):
+        for k in ("finish_reasons", "weight_versions", "prompts", "completions", "agent_rows"):
             out[k] = [x for b in batches for x in getattr(b, k)]
         out["num_nonfinite_logprobs"] = sum(b.num_nonfinite_logprobs for b in batches)
         experts = [b.routed_experts for b in batches]
@@ -210,7 +213,11 @@ def build_batch(
         tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         if o:
             tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
-            gen = torch.ones(len(o)) if generated is None else torch.tensor(list(generated[i]), dtype=torch.float32)
+            gen = (
+                torch.ones(len(o))
+                if generated is None
+                else torch.tensor(list(generated[i]), dtype=torch.float32)
+            )
             if gen.numel() != len(o):
                 raise ValueError(f"sample {i}: {gen.numel()} generated flags for {len(o)} output tokens")
             mask[i, len(p) : len(p) + len(o)] = gen
@@ -226,7 +233,10 @@ def build_batch(
     if token_versions is not None:
         versions = _versions_tensor(token_versions, prompt_ids, output_ids, width)
     turns = _versions_tensor(
-        turn_ids if turn_ids is not None else [[0] * len(o) for o in output_ids], prompt_ids, output_ids, width
+        turn_ids if turn_ids is not None else [[0] * len(o) for o in output_ids],
+        prompt_ids,
+        output_ids,
+        width,
     )
     return RolloutBatch(
         tokens=tokens,
