@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -75,7 +76,7 @@ def calculator_answer(prompt_ids: Sequence[int], k: int) -> list[int]:
         result = int(text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0])
         return tok.encode(f"The answer is {result + k % 2}<|im_end|>")
     question = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0].rstrip("=")
-    call = '{"name": "calculator", "arguments": {"expression": "%s"}}' % question
+    call = json.dumps({"name": "calculator", "arguments": {"expression": question}})
     return tok.encode(f"<tool_call>{call}</tool_call><|im_end|>")
 
 
@@ -136,7 +137,8 @@ class FakeBackend:
     # -- the RolloutBackend ------------------------------------------------------------------------
 
     def sampling_params(self, *, greedy: bool = False, seed: int | None = None) -> SamplingParams:
-        return SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=self.max_new_tokens, seed=seed)
+        temperature = 0.0 if greedy else 1.0
+        return SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens, seed=seed)
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams

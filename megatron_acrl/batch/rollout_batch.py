@@ -204,26 +204,7 @@ def build_batch(
     mask = torch.zeros(n, width, dtype=torch.float32)
     logprobs = torch.zeros(n, width, dtype=torch.float32)
     for i, (p, o, o_logprobs) in enumerate(zip(prompt_ids, output_ids, rollout_logprobs, strict=True)):
-        if len(o_logprobs) != len(o):
-            raise ValueError(f"sample {i}: {len(o_logprobs)} log-probs for {len(o)} output tokens")
-        if not p:
-            raise ValueError(
-                f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)"
-            )
-        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        if o:
-            tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
-            gen = (
-                torch.ones(len(o))
-                if generated is None
-                else torch.tensor(list(generated[i]), dtype=torch.float32)
-            )
-            if gen.numel() != len(o):
-                raise ValueError(f"sample {i}: {gen.numel()} generated flags for {len(o)} output tokens")
-            mask[i, len(p) : len(p) + len(o)] = gen
-            # observation / boundary tokens have no log-prob: 0 there, whatever the caller held
-            lp = torch.tensor(o_logprobs, dtype=torch.float32)
-            logprobs[i, len(p) : len(p) + len(o)] = torch.where(gen > 0, lp, torch.zeros_like(lp))
+        _fill_row(i, p, o, o_logprobs, None if generated is None else generated[i], tokens, mask, logprobs)
     is_generated = mask > 0
     logprobs, mask, bad = sanitize_logprobs(logprobs, mask)
     experts = None
@@ -254,6 +235,36 @@ def build_batch(
         token_versions=versions,
         turn_ids=turns.masked_fill(~is_generated, -1),
     )
+
+
+def _fill_row(
+    i: int,
+    p: Sequence[int],
+    o: Sequence[int],
+    o_logprobs: Sequence[float],
+    generated: Sequence[int] | None,
+    tokens: Tensor,
+    mask: Tensor,
+    logprobs: Tensor,
+) -> None:
+    """Write sample ``i`` into row i of ``tokens``, ``mask`` and ``logprobs`` (all ``[N, width]``):
+    ``mask`` 1 and the log-prob on the output ids the server generated (all of them when
+    ``generated`` is None), 0 on the prompt and on observation / boundary ids."""
+    if len(o_logprobs) != len(o):
+        raise ValueError(f"sample {i}: {len(o_logprobs)} log-probs for {len(o)} output tokens")
+    if not p:
+        raise ValueError(f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)")
+    tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    if not o:
+        return
+    tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
+    gen = torch.ones(len(o)) if generated is None else torch.tensor(list(generated), dtype=torch.float32)
+    if gen.numel() != len(o):
+        raise ValueError(f"sample {i}: {gen.numel()} generated flags for {len(o)} output tokens")
+    mask[i, len(p) : len(p) + len(o)] = gen
+    # observation / boundary ids have no log-prob: 0 there, whatever the caller held
+    lp = torch.tensor(o_logprobs, dtype=torch.float32)
+    logprobs[i, len(p) : len(p) + len(o)] = torch.where(gen > 0, lp, torch.zeros_like(lp))
 
 
 def _versions_tensor(
