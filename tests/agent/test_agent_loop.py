@@ -215,3 +215,33 @@ def test_single_turn_batches_are_unchanged_but_for_turn_zero() -> None:
     assert ((b.turn_ids == 0) == (b.loss_mask > 0)).all()
     assert b.agent_rows == [] and "agent/turns_mean" not in rollout_metrics(b)
     assert torch.equal(b.tensors()["turn_ids"], b.turn_ids)
+
+
+def test_async_mode_with_an_agent_is_refused_up_front() -> None:
+    from megatron_acrl.config import load_config
+
+    with pytest.raises(Exception, match="sync mode only"):
+        load_config(None, ["rollout.mode=async", "rollout.agent.env=calculator"])
+
+
+def test_dispatch_pins_an_affinity_key_to_its_first_target() -> None:
+    from megatron_acrl.servers.dispatch import Dispatch
+
+    class Client:
+        async def generate_batch(self, prompts, params):  # noqa: ANN001
+            return [None] * len(prompts)
+
+    async def main() -> list[str]:
+        d = Dispatch(lambda url, cap: Client())
+        sent = []
+        for key in ("a", "b", "a", "a", "b"):
+            before = dict(d._counts)
+            fut = d.send(["s0", "s1"], [[1]], None, cap=4, affinity=key)
+            sent.append(next(u for u in ("s0", "s1") if d._counts.get(u, 0) > before.get(u, 0)))
+            # leave it in flight: least-loaded alone would now pick the other server
+            _ = fut
+        d.unpin("a")
+        return sent
+
+    sent = asyncio.run(main())
+    assert sent[0] == sent[2] == sent[3] and sent[1] == sent[4] and sent[0] != sent[1]
