@@ -9,6 +9,7 @@ producer, the rollout phase and the generation engine as a run would:
 * deterministic samples: ``answer(prompt_ids, k)`` gives sample k's text tokens (default: the right
   sum of an addition prompt for even k, a wrong one for odd k), then EOS; log-probs
   ``-0.01 * (position + 1)``;
+  :func:`calculator_answer` answers multi-turn (agent) requests: a tool call, then an answer;
 * latency: ``token_delay_s`` per generated token (0: as fast as the event loop goes);
 * weight updates pause the requests in flight (``pause_mode: retract``: they continue on the new
   version, and their samples carry two version segments; ``abort``: they end with
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -64,6 +66,20 @@ def addition_answer(prompt_ids: Sequence[int], k: int) -> list[int]:
     return CharTokenizer().encode(str(int(a) + int(b) + k % 2))
 
 
+def calculator_answer(prompt_ids: Sequence[int], k: int) -> list[int]:
+    """A multi-turn sample on a calculator conversation (ChatML text): the first turn calls the
+    calculator on the user's ``a+b=``; once a tool result is in the conversation, the answer is that
+    result (+ 1 when k is odd). Each turn ends with ``<|im_end|>`` (then the fake's EOS)."""
+    tok = CharTokenizer()
+    text = tok.decode(prompt_ids)
+    if "<|im_start|>tool\n" in text:
+        result = int(text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0])
+        return tok.encode(f"The answer is {result + k % 2}<|im_end|>")
+    question = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0].rstrip("=")
+    call = json.dumps({"name": "calculator", "arguments": {"expression": question}})
+    return tok.encode(f"<tool_call>{call}</tool_call><|im_end|>")
+
+
 class FakeBackend:
     """The rollout backend of the unit tests (module doc); ``url`` names its one server."""
 
@@ -75,8 +91,12 @@ class FakeBackend:
         pause_mode: str = "retract",
         url: str = "fake://0",
         pause_at_token: int | None = None,
+        max_new_tokens: int = 8,
     ):
         self.answer = answer
+        self.max_new_tokens = max_new_tokens
+        self.affinities: list[str | None] = []
+        """The affinity key of every :meth:`generate_async` request, in order."""
         self.token_delay_s = token_delay_s
         self.pause_mode = pause_mode
         self.url = url
@@ -117,7 +137,8 @@ class FakeBackend:
     # -- the RolloutBackend ------------------------------------------------------------------------
 
     def sampling_params(self, *, greedy: bool = False, seed: int | None = None) -> SamplingParams:
-        return SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=8, seed=seed)
+        temperature = 0.0 if greedy else 1.0
+        return SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens, seed=seed)
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -141,9 +162,10 @@ class FakeBackend:
         return asyncio.run(run())
 
     def generate_async(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, affinity: str | None = None
     ) -> asyncio.Future[list[Sample]]:
         prompts = [list(p) for p in prompt_ids]
+        self.affinities.append(affinity)
         self.requests.append(prompts)
         self._count(len(prompts))
         fault = self.faults.pop(0) if self.faults else ""

@@ -10,6 +10,14 @@ model, and padding). Aligned with ``tokens``, not with the log-probs: the routin
 produced the distribution of token t. ``token_versions [N, L]`` int64: the weight version each
 response token was sampled with (:mod:`megatron_acrl.batch.staleness`; a request paused across a weight
 update carries two), -1 on prompt and padding positions; None in recordings made before it existed.
+``turn_ids [N, L]`` int64: the agent turn (0, 1, ...) that generated each response token, -1 on
+prompt, observation, boundary and padding positions (single-turn: 0 on the response); None in
+recordings made before it existed.
+
+Multi-turn (agent) rollouts: the "response" is everything after the opening prompt, the generated
+turns with the observation and boundary tokens appended between them (token-in-token-out,
+:mod:`megatron_acrl.rollout.agent.session`). ``generated`` per sample marks which response tokens
+the server generated: only those get ``loss_mask`` 1, a rollout log-prob, a version and a turn.
 
 :meth:`RolloutBatch.tensors` starts the step's train batch, which the policy completes (pi_old,
 advantages, ...): its keys, shapes and dtypes are documented and checked in one place,
@@ -52,6 +60,9 @@ class RolloutBatch:
     num_nonfinite_logprobs: int = 0
     routed_experts: Tensor | None = None
     token_versions: Tensor | None = None
+    turn_ids: Tensor | None = None
+    agent_rows: list[dict[str, float]] = field(default_factory=list)
+    """Agent rollouts: per row, its trajectory's counts (turns, tool calls, ...) for ``agent/*``."""
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -70,6 +81,8 @@ class RolloutBatch:
             out["routed_experts"] = self.routed_experts
         if self.token_versions is not None:
             out["token_versions"] = self.token_versions
+        if self.turn_ids is not None:
+            out["turn_ids"] = self.turn_ids
         return out
 
     def select(self, index: Sequence[int] | Tensor) -> RolloutBatch:
@@ -82,9 +95,11 @@ class RolloutBatch:
             weight_versions=[self.weight_versions[i] for i in pick] if self.weight_versions else [],
             prompts=[self.prompts[i] for i in pick] if self.prompts else [],
             completions=[self.completions[i] for i in pick] if self.completions else [],
+            agent_rows=[self.agent_rows[i] for i in pick] if self.agent_rows else [],
             num_nonfinite_logprobs=self.num_nonfinite_logprobs,
             routed_experts=self.routed_experts[idx] if self.routed_experts is not None else None,
             token_versions=self.token_versions[idx] if self.token_versions is not None else None,
+            turn_ids=self.turn_ids[idx] if self.turn_ids is not None else None,
         )
 
     @staticmethod
@@ -102,7 +117,7 @@ class RolloutBatch:
         }
         for k in ("rewards", "group_ids", "response_len"):
             out[k] = torch.cat([getattr(b, k) for b in batches])
-        for k in ("finish_reasons", "weight_versions", "prompts", "completions"):
+        for k in ("finish_reasons", "weight_versions", "prompts", "completions", "agent_rows"):
             out[k] = [x for b in batches for x in getattr(b, k)]
         out["num_nonfinite_logprobs"] = sum(b.num_nonfinite_logprobs for b in batches)
         experts = [b.routed_experts for b in batches]
@@ -112,11 +127,12 @@ class RolloutBatch:
             out["routed_experts"] = torch.cat(
                 [torch.nn.functional.pad(e, (0, 0, 0, 0, 0, width - e.shape[1]), value=-1) for e in experts]
             )
-        versions = [b.token_versions for b in batches]
-        if any(v is not None for v in versions):
-            if any(v is None for v in versions):
-                raise ValueError("cannot concatenate rollout batches with and without token_versions")
-            out["token_versions"] = torch.cat([pad(v, -1) for v in versions])  # type: ignore[arg-type]
+        for key in ("token_versions", "turn_ids"):
+            parts = [getattr(b, key) for b in batches]
+            if any(v is not None for v in parts):
+                if any(v is None for v in parts):
+                    raise ValueError(f"cannot concatenate rollout batches with and without {key}")
+                out[key] = torch.cat([pad(v, -1) for v in parts])
         return RolloutBatch(**out)
 
     # -- record / replay ------------------------------------------------------------------------
@@ -165,6 +181,8 @@ def build_batch(
     completions: Sequence[str] = (),
     routed_experts: Sequence[Any] | None = None,
     token_versions: Sequence[Sequence[int]] | None = None,
+    generated: Sequence[Sequence[int]] | None = None,
+    turn_ids: Sequence[Sequence[int]] | None = None,
 ) -> RolloutBatch:
     """Assemble right-padded tensors from per-sample token lists (see module doc for layout).
 
@@ -172,6 +190,9 @@ def build_batch(
     ``rollout_logprobs`` (O floats, ``log mu`` of each output token as the engine sampled it);
     ``routed_experts``: per sample ``[P + O - 1, num_layers, top_k]`` integers (SGLang's routing of
     positions 0 .. P+O-2), or None; ``token_versions``: per sample O weight versions, or None.
+    Multi-turn: ``generated`` per sample O flags (1: the server generated it; 0: an observation or
+    boundary token, whose log-prob is ignored and whose version/turn must be -1) and ``turn_ids``
+    per sample O turn indices; None (single-turn): every output token generated, in turn 0.
     """
     n = len(prompt_ids)
     if not (len(output_ids) == len(rollout_logprobs) == len(rewards) == len(group_ids) == n):
@@ -183,17 +204,8 @@ def build_batch(
     mask = torch.zeros(n, width, dtype=torch.float32)
     logprobs = torch.zeros(n, width, dtype=torch.float32)
     for i, (p, o, o_logprobs) in enumerate(zip(prompt_ids, output_ids, rollout_logprobs, strict=True)):
-        if len(o_logprobs) != len(o):
-            raise ValueError(f"sample {i}: {len(o_logprobs)} log-probs for {len(o)} output tokens")
-        if not p:
-            raise ValueError(
-                f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)"
-            )
-        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        if o:
-            tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
-            mask[i, len(p) : len(p) + len(o)] = 1.0
-            logprobs[i, len(p) : len(p) + len(o)] = torch.tensor(o_logprobs, dtype=torch.float32)
+        _fill_row(i, p, o, o_logprobs, None if generated is None else generated[i], tokens, mask, logprobs)
+    is_generated = mask > 0
     logprobs, mask, bad = sanitize_logprobs(logprobs, mask)
     experts = None
     if routed_experts is not None:
@@ -201,6 +213,12 @@ def build_batch(
     versions = None
     if token_versions is not None:
         versions = _versions_tensor(token_versions, prompt_ids, output_ids, width)
+    turns = _versions_tensor(
+        turn_ids if turn_ids is not None else [[0] * len(o) for o in output_ids],
+        prompt_ids,
+        output_ids,
+        width,
+    )
     return RolloutBatch(
         tokens=tokens,
         loss_mask=mask,
@@ -215,7 +233,38 @@ def build_batch(
         num_nonfinite_logprobs=bad,
         routed_experts=experts,
         token_versions=versions,
+        turn_ids=turns.masked_fill(~is_generated, -1),
     )
+
+
+def _fill_row(
+    i: int,
+    p: Sequence[int],
+    o: Sequence[int],
+    o_logprobs: Sequence[float],
+    generated: Sequence[int] | None,
+    tokens: Tensor,
+    mask: Tensor,
+    logprobs: Tensor,
+) -> None:
+    """Write sample ``i`` into row i of ``tokens``, ``mask`` and ``logprobs`` (all ``[N, width]``):
+    ``mask`` 1 and the log-prob on the output ids the server generated (all of them when
+    ``generated`` is None), 0 on the prompt and on observation / boundary ids."""
+    if len(o_logprobs) != len(o):
+        raise ValueError(f"sample {i}: {len(o_logprobs)} log-probs for {len(o)} output tokens")
+    if not p:
+        raise ValueError(f"sample {i}: empty prompt (position 0 has no log-prob, so a prompt is required)")
+    tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    if not o:
+        return
+    tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
+    gen = torch.ones(len(o)) if generated is None else torch.tensor(list(generated), dtype=torch.float32)
+    if gen.numel() != len(o):
+        raise ValueError(f"sample {i}: {gen.numel()} generated flags for {len(o)} output tokens")
+    mask[i, len(p) : len(p) + len(o)] = gen
+    # observation / boundary ids have no log-prob: 0 there, whatever the caller held
+    lp = torch.tensor(o_logprobs, dtype=torch.float32)
+    logprobs[i, len(p) : len(p) + len(o)] = torch.where(gen > 0, lp, torch.zeros_like(lp))
 
 
 def _versions_tensor(

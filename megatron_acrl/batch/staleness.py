@@ -128,3 +128,42 @@ def staleness_metrics(
             )
             out.update(finalize_metrics(partial))
     return out
+
+
+def turn_metrics(
+    turn_ids: Tensor,
+    loss_mask: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    *,
+    max_turn_bins: int = 8,
+) -> dict[str, float]:
+    """The mismatch split by agent turn: does the gap grow with the turn?
+
+    Args:
+        turn_ids: ``[N, L]`` int64 turn that generated each token (-1 off generated tokens).
+        loss_mask: ``[N, L]`` tokens that are trained (generated tokens only: observations are 0).
+        old_logprobs, rollout_logprobs: ``[N, L]`` log pi_old and log mu.
+        max_turn_bins: turns ``>= max_turn_bins - 1`` share the last bin.
+    Returns:
+        ``mismatch_turn/<k>/*``: :func:`~megatron_acrl.correction.mismatch_metrics` (token-mean
+        log-ratio, k3, ...) over the trained tokens of turn k, for each turn with tokens; empty for a
+        single-turn batch (every token in turn 0: the batch-wide ``mismatch/*`` already says it).
+    """
+    trained = (loss_mask > 0) & (turn_ids >= 0)
+    turns = turn_ids.clamp(max=max_turn_bins - 1)
+    if not bool(trained.any()) or int(turns[trained].max()) == 0:
+        return {}
+    out: dict[str, float] = {}
+    for k in range(int(turns[trained].max()) + 1):
+        subset = trained & (turns == k)
+        if bool(subset.any()):
+            sh = MismatchTensors(old_logprobs, rollout_logprobs, subset, fused=False)
+            partial = mismatch_metrics(
+                sh,
+                num_tokens=int(subset.sum()),
+                num_seqs=int(subset.any(-1).sum()),
+                prefix=f"mismatch_turn/{k}/",
+            )
+            out.update(finalize_metrics(partial))
+    return out

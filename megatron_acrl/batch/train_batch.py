@@ -25,6 +25,10 @@ response_len         [N]                   int64    response tokens of each samp
 routed_experts       [N, L, layers, k]     int16    MoE: the rollout's routing, -1 where none (R3)
 token_versions       [N, L]                int64    weight version each response token was sampled
                                                     with, -1 on prompt and padding positions
+turn_ids             [N, L]                int64    agent turn (0, 1, ...) that generated each token;
+                                                    -1 on prompt, observation, boundary tokens and
+                                                    padding (an observation belongs to no turn's
+                                                    policy output; single-turn: 0 on the response)
 old_logprobs         [N, L]                float32  log pi_old (the trainer, before the update)
 recorded_experts     [N, L, stage's MoE    int16    R2: the pi_old pass's own routing, which the
                      layers, k]                     training pass replays
@@ -58,6 +62,7 @@ class TrainBatch(TypedDict):
     response_len: Tensor
     routed_experts: NotRequired[Tensor]
     token_versions: NotRequired[Tensor]
+    turn_ids: NotRequired[Tensor]
     old_logprobs: NotRequired[Tensor]
     recorded_experts: NotRequired[Tensor]
     ref_logprobs: NotRequired[Tensor]
@@ -91,6 +96,7 @@ TRAIN_BATCH_SPEC: dict[str, KeySpec] = {
     "response_len": KeySpec(("N",), torch.int64),
     "routed_experts": _ROUTING,
     "token_versions": KeySpec(("N", "L"), torch.int64),
+    "turn_ids": KeySpec(("N", "L"), torch.int64),
     "old_logprobs": _TOKEN_F32,
     "recorded_experts": _ROUTING,
     "ref_logprobs": _TOKEN_F32,

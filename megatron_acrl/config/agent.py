@@ -54,6 +54,12 @@ def _import_problem(path: str, what: str) -> str | None:
         and not inspect.iscoroutinefunction(getattr(obj, "run", None))
     ):
         return f"{path!r} is a class without an async run method; an agent class defines async def run(...)"
+    if what == "agent":
+        fn, args = (obj.run, (None, None, None)) if inspect.isclass(obj) else (obj, (None, None))
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError as err:
+            return f"{path!r} cannot be called as agent(session, sample): {err}"
     return None
 
 

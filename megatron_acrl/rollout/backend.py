@@ -54,12 +54,14 @@ class RolloutBackend(Protocol):
         ...
 
     def generate_async(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, affinity: str | None = None
     ) -> asyncio.Future[list[Sample]]:
         """Send one batched request now, one sample per prompt, from inside a running event loop
         (the async engine, the agent loop): its target is chosen and counted in flight at this call,
         and the future holds ``result[i]``, prompt i's sample, or the request's error (a
-        ``ServerGoneError`` or ``TimeoutError`` when its server is gone)."""
+        ``ServerGoneError`` or ``TimeoutError`` when its server is gone). ``affinity`` (an agent
+        trajectory's id) sends every request with that key to the same server while it lives, so
+        the turns of one trajectory reuse its prefix cache."""
         ...
 
     def in_flight(self) -> dict[str, int]:

@@ -17,6 +17,7 @@ import torch
 from megatron_acrl.algo.advantages import dynamic_sampling_keep, overlong_penalty
 from megatron_acrl.batch.rollout_batch import RolloutBatch, build_batch, load_rollouts, save_rollouts
 from megatron_acrl.batch.staleness import token_versions
+from megatron_acrl.rollout.trajectories import agent_metrics, sample_trajectories
 from megatron_acrl.run.context import prompt_stream
 from megatron_acrl.tasks.base import Prompt, Task
 from megatron_acrl.world.distributed import log0
@@ -110,8 +111,12 @@ def score_groups(
 
 def sample_groups(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
     """Rank 0: sample ``rollout.n_samples_per_prompt`` completions of each prompt from the rollout
-    backend (:class:`~megatron_acrl.rollout.backend.RolloutBackend`) and score them."""
+    backend (:class:`~megatron_acrl.rollout.backend.RolloutBackend`) and score them; with
+    ``rollout.agent.agent`` or ``.env`` set, that many agent trajectories
+    (:func:`~megatron_acrl.rollout.trajectories.sample_trajectories`)."""
     assert ctx.servers is not None
+    if ctx.cfg.rollout.agent.agent is not None or ctx.cfg.rollout.agent.env is not None:
+        return sample_trajectories(ctx, prompts, first_group)
     servers: RolloutBackend = ctx.servers
     cfg = ctx.cfg
     ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
@@ -282,4 +287,5 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/finish_length_frac": sum(f == "length" for f in finish) / max(len(finish), 1),
         "rollout/nonfinite_logprobs": float(batch.num_nonfinite_logprobs),
         "rollout/num_sequences": float(len(batch)),
+        **agent_metrics(batch),
     }

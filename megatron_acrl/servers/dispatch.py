@@ -39,6 +39,7 @@ class Dispatch:
         self._new_client = new_client
         self._lock = threading.Lock()  # the engine's loop thread and the trainer's thread both count
         self._counts: dict[str, int] = {}
+        self._pins: dict[str, str] = {}  # affinity key -> the target its first request went to
         self._clients: dict[asyncio.AbstractEventLoop, dict[str, Any]] = {}
 
     def client(self, url: str, cap: int) -> Any:
@@ -49,6 +50,11 @@ class Dispatch:
             if url not in mine:
                 mine[url] = self._new_client(url, cap)
             return mine[url]
+
+    def unpin(self, affinity: str) -> None:
+        """Forget ``affinity``'s target (its trajectory ended)."""
+        with self._lock:
+            self._pins.pop(affinity, None)
 
     async def aclose(self) -> None:
         """Close the running event loop's clients."""
@@ -91,13 +97,22 @@ class Dispatch:
         *,
         cap: int,
         batched: bool = True,
+        affinity: str | None = None,
     ) -> asyncio.Future[list[Sample]]:
         """One sample per prompt from the target with the fewest samples in flight, in one batched
         ``/generate`` (``batched``), else in one request per run of equal prompts (:func:`by_prompt`);
-        counted now, uncounted when it ends (also cancelled before it started)."""
+        counted now, uncounted when it ends (also cancelled before it started).
+
+        ``affinity`` (e.g. an agent trajectory's id) pins the target: every request with the same key
+        goes to the server the first one went to while that server is among ``targets``, so the
+        turns of one trajectory reuse its prefix cache; :meth:`unpin` forgets the key."""
         k = len(prompt_ids)
         with self._lock:
-            url = min(targets, key=lambda u: self._counts.get(u, 0))
+            url = self._pins.get(affinity) if affinity is not None else None
+            if url is None or url not in targets:
+                url = min(targets, key=lambda u: self._counts.get(u, 0))
+                if affinity is not None:
+                    self._pins[affinity] = url
             self._counts[url] = self._counts.get(url, 0) + k
         try:
             client = self.client(url, cap)

@@ -378,7 +378,7 @@ class RolloutServers(ServerRecovery):
         return result.groups
 
     def generate_async(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, affinity: str | None = None
     ) -> asyncio.Future[list[Sample]]:
         """One batched request (one sample per prompt) sent now from the running event loop, through
         the same targets, clients and count as :meth:`generate`; the future holds the samples, or
@@ -390,7 +390,9 @@ class RolloutServers(ServerRecovery):
             failed.set_exception(e)
             return failed
         # sglang-router takes one prompt per /generate (a group's samples as one request with n)
-        return self.dispatch.send(targets, prompt_ids, params, cap=self._cap(), batched=self.router is None)
+        return self.dispatch.send(
+            targets, prompt_ids, params, cap=self._cap(), batched=self.router is None, affinity=affinity
+        )
 
     def in_flight(self) -> dict[str, int]:
         """Samples in flight on each dispatch target: the router, or every server (dead ones too)."""

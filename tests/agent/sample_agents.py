@@ -32,3 +32,13 @@ class NeverDone:
 
     async def step(self, action_text: str) -> Step:
         return Step([{"role": "user", "content": "again"}], 0.0, False)
+
+
+class RaisingAgent:
+    async def run(self, session, sample):  # noqa: ANN001
+        await session.generate([{"role": "user", "content": sample.text}])
+        raise RuntimeError("the agent's own bug")
+
+
+async def one_arg_agent(session):  # noqa: ANN001
+    return 0.0

@@ -1,0 +1,198 @@
+"""The agent session: multi-turn generation on the servers with the token bookkeeping done for the agent.
+
+An agent (:mod:`megatron_acrl.rollout.agent.loop`) only sees chat messages and text::
+
+    text = await session.generate(messages)      # the opening conversation (system, user)
+    text = await session.generate(observation)   # then only the messages to append (tool results)
+
+The session keeps the trajectory token-in-token-out: the opening conversation is rendered with the
+chat template and tokenized once; each turn sends the token ids so far to the servers
+(:meth:`~megatron_acrl.rollout.backend.RolloutBackend.generate_async`, pinned to one server by the
+trajectory's id) and appends exactly the ids the server generated, with their log-probs and weight
+versions; an observation is tokenized as a suffix against the template
+(:func:`~megatron_acrl.rollout.agent.templates.observation_suffix`) and appended with no log-prob,
+version -1, turn -1 and loss 0. Nothing generated is ever decoded and re-encoded into the sequence.
+
+Limits end a trajectory by raising :class:`TrajectoryEnd` from :meth:`AgentSession.generate`
+(``max_turns``, ``max_tokens``); the agent loop records the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_acrl.rollout.agent.templates import ChatTemplate, Message, Tokenizer, observation_suffix
+
+
+class TrajectoryEnd(Exception):
+    """A limit ended the trajectory: ``reason`` (``max_turns``, ``max_tokens``) is recorded."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        self.reward = 0.0  # what the env gave before the limit (the agent loop sets it)
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+@dataclass
+class Trajectory:
+    """One finished trajectory. ``prompt_ids`` is the opening prompt (P ids); the per-token lists
+    cover the ``O`` ids after it (generated turns and the observation/boundary ids between them):
+
+    ``output_ids`` [O] ids, ``generated`` [O] 1 where the server generated the id, ``logprobs`` [O]
+    the server's log mu there (0.0 elsewhere), ``version_spans`` per turn ``(offset in output_ids,
+    ids, final version, version segments)`` as the server reported them (the batch turns them into
+    per-token versions, -1 elsewhere: :func:`megatron_acrl.rollout.phase.trajectory_versions`),
+    ``turn_ids`` [O] the turn that generated it (-1 elsewhere), ``kinds`` [O] ``generated`` /
+    ``observation`` / ``boundary``. ``routed_experts`` ``[P + O - 1, layers, k]`` (the last turn's
+    routing covers every earlier position, prefix-cache hits included) or None.
+    """
+
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_spans: list[tuple[int, int, str, list]] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    routed_experts: Any = None
+    weight_version: str = ""
+    turns: int = 0
+    reward: float = 0.0
+    reason: str = "answered"
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_s: float = 0.0
+    texts: list[str] = field(default_factory=list)
+    """The text of each generated turn (logs only)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.reason in ("max_turns", "max_tokens")
+
+
+class AgentSession:
+    """Generates the turns of one trajectory (module doc). ``backend`` is the
+    :class:`~megatron_acrl.rollout.backend.RolloutBackend`; ``params`` the run's sampling;
+    ``affinity`` the trajectory's id (every turn to the same server)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        params: Any,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        affinity: str | None = None,
+        tools: Sequence[dict] | None = None,
+        env: Any = None,
+    ):
+        self.backend, self.params, self.tokenizer, self.template = backend, params, tokenizer, template
+        self.max_turns, self.max_tokens, self.affinity = max_turns, max_tokens, affinity
+        self.tools = list(tools) if tools else None
+        self.env = env
+        self.traj = Trajectory()
+        self.history: list[Message] = []
+        self._last_text: str | None = None
+        self._last_closed = True
+
+    @property
+    def length(self) -> int:
+        return len(self.traj.prompt_ids) + len(self.traj.output_ids)
+
+    def _append(self, ids: Sequence[int], kinds: Sequence[str]) -> None:
+        t = self.traj
+        t.output_ids += ids
+        t.generated += [0] * len(ids)
+        t.logprobs += [0.0] * len(ids)
+        t.turn_ids += [-1] * len(ids)
+        t.kinds += kinds
+
+    def _extend(self, messages: Sequence[Message]) -> None:
+        """Render the opening conversation (first call) or append ``messages`` as a suffix."""
+        if self._last_text is None:
+            if self.traj.prompt_ids:
+                raise RuntimeError("generate() after the opening with no new turn generated")
+            text = self.template.render(messages, tools=self.tools, add_generation_prompt=True)
+            self.traj.prompt_ids = list(self.tokenizer.encode(text))
+        else:
+            suffix = observation_suffix(
+                self.template,
+                self.tokenizer,
+                self.history,
+                self._last_text,
+                messages,
+                tools=self.tools,
+                stopped_on_end_of_turn=self._last_closed,
+            )
+            self.history.append({"role": "assistant", "content": self._last_text})
+            self._append(suffix.ids, suffix.kinds)
+        self.history += list(messages)
+
+    async def generate(self, messages: Sequence[Message]) -> str:
+        """The model's next turn, as text without its end-of-turn string. First call: the whole
+        opening conversation; later calls: only the messages to append. Raises
+        :class:`TrajectoryEnd` at ``max_turns`` or ``max_tokens``."""
+        if self.traj.turns >= self.max_turns:
+            raise TrajectoryEnd("max_turns", f"{self.traj.turns} turns taken")
+        self._extend(messages)
+        room = self.max_tokens - self.length
+        if room <= 0:
+            raise TrajectoryEnd("max_tokens", f"{self.length} tokens >= {self.max_tokens}")
+        params = dataclasses.replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
+        ids = [*self.traj.prompt_ids, *self.traj.output_ids]
+        (sample,) = await self.backend.generate_async([ids], params, affinity=self.affinity)
+        out = list(sample.output_ids)
+        t = self.traj
+        turn = t.turns
+        t.output_ids += out
+        t.generated += [1] * len(out)
+        t.logprobs += [float(x) for x in sample.rollout_logprobs]
+        t.version_spans.append(
+            (
+                len(t.output_ids) - len(out),
+                len(out),
+                str(sample.weight_version),
+                list(sample.weight_versions or []),
+            )
+        )
+        t.turn_ids += [turn] * len(out)
+        t.kinds += ["generated"] * len(out)
+        t.turns += 1
+        t.weight_version = str(sample.weight_version)
+        if getattr(sample, "routed_experts", None) is not None:
+            t.routed_experts = sample.routed_experts
+        text = self.tokenizer_decode(out)
+        eot = self.template.end_of_turn
+        self._last_closed = text.endswith(eot)
+        text = text[: -len(eot)] if self._last_closed else text
+        self._last_text = text
+        t.texts.append(text)
+        if sample.finish_reason == "abort":
+            raise TrajectoryEnd("error", "generation aborted by a pause")
+        if sample.finish_reason == "length" and self.length >= self.max_tokens:
+            raise TrajectoryEnd("max_tokens", f"turn {turn} reached {self.max_tokens} tokens")
+        return text
+
+    def tokenizer_decode(self, ids: Sequence[int]) -> str:
+        """The text of generated ids, special tokens kept (the end-of-turn string is looked for)."""
+        decode = getattr(self.tokenizer, "decode", None)
+        if decode is None:
+            raise TypeError("the agent session's tokenizer needs decode() to show the model's turn")
+        return str(decode(list(ids), skip_special_tokens=False))
+
+    async def step_env(self, env: Any, text: str) -> Any:
+        """``env.step(text)``, timed into ``env_s`` and its tool counts recorded."""
+        t0 = time.perf_counter()
+        try:
+            step = await env.step(text)
+        finally:
+            self.traj.env_s += time.perf_counter() - t0
+        self.traj.tool_calls += int(step.info.get("tool_calls", 0))
+        self.traj.tool_errors += int(step.info.get("tool_errors", 0))
+        return step
