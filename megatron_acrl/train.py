@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_acrl.batch.rollout_batch import RolloutBatch, minibatches
-from megatron_acrl.batch.staleness import staleness_metrics
+from megatron_acrl.batch.staleness import staleness_metrics, turn_metrics
 from megatron_acrl.batch.train_batch import TrainBatch
 from megatron_acrl.config import Config, ConfigError, config_to_dict, load_config
 from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
@@ -114,12 +114,17 @@ def phase_metrics(
 
 def drift_metrics(tb: TrainBatch, trainer_version: int) -> dict[str, float]:
     """``async/*`` staleness and the mismatch split by lag, from the batch's per-token versions
-    (none in recordings made before them)."""
-    if "token_versions" not in tb:
-        return {}
-    return staleness_metrics(
-        tb["token_versions"], tb["loss_mask"], tb["old_logprobs"], tb["rollout_logprobs"], trainer_version
-    )
+    (none in recordings made before them), and by agent turn (``mismatch_turn/<k>/*``) when the
+    batch holds more than one turn."""
+    m: dict[str, float] = {}
+    if "token_versions" in tb:
+        m = staleness_metrics(
+            tb["token_versions"], tb["loss_mask"], tb["old_logprobs"], tb["rollout_logprobs"], trainer_version
+        )
+    turns = tb.get("turn_ids")
+    if turns is not None and int(turns.max()) > 0:  # single-turn batches: turn 0 alone, nothing to split
+        m.update(turn_metrics(turns, tb["loss_mask"], tb["old_logprobs"], tb["rollout_logprobs"]))
+    return m
 
 
 def log_extras(cfg: Config, batch: RolloutBatch, tb: TrainBatch, step: int) -> dict[str, Any]:

@@ -66,3 +66,21 @@ def test_mismatch_splits_by_turn() -> None:
         turn_metrics(single.turn_ids, single.loss_mask, single.rollout_logprobs, single.rollout_logprobs)
         == {}
     )
+
+
+def test_the_driver_logs_the_mismatch_by_turn_only_for_multi_turn_batches() -> None:
+    import torch
+
+    from megatron_acrl.train import drift_metrics
+
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=torch.float32)
+    old = torch.tensor([[0.0, -1.0, -1.0, 0.0, -2.0, -2.0]])
+    mu = torch.tensor([[0.0, -1.0, -1.0, 0.0, -1.5, -1.5]])
+    multi = {"loss_mask": mask, "old_logprobs": old, "rollout_logprobs": mu}
+    multi["turn_ids"] = torch.tensor([[-1, 0, 0, -1, 1, 1]])
+    m = drift_metrics(multi, trainer_version=0)  # type: ignore[arg-type]
+    assert any(k.startswith("mismatch_turn/1/") for k in m) and any(
+        k.startswith("mismatch_turn/0/") for k in m
+    )
+    single = dict(multi, turn_ids=torch.tensor([[-1, 0, 0, -1, 0, 0]]))
+    assert not any(k.startswith("mismatch_turn/") for k in drift_metrics(single, trainer_version=0))  # type: ignore[arg-type]
