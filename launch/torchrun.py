@@ -18,8 +18,9 @@ group is forwarded by the agent to every rank's process group; each rank's entry
 shorter than a step plus a save, so this launcher defaults it to :data:`STOP_GRACE_S` (bounded: a
 rank that hangs is still killed). When every rank exited 0 after the stop, this process exits 0
 too (torch's agent re-raises the signal as an error, exit 1), so a requeueing scheduler sees a clean
-stop. A second signal to the agent forwards a second one to the ranks: they stop at once, no
-checkpoint of the step (exit 128 + N).
+stop. When every rank that failed exited 2 (a refused config or input: each printed the key and the
+fix), this process exits 2 too, without torch's ChildFailedError traceback. A second signal to the
+agent forwards a second one to the ranks: they stop at once, no checkpoint of the step (exit 128 + N).
 
 Under SLURM (``ProctrackType=proctrack/linuxproc`` or ``cgroup``) ``scancel --signal`` and
 preemption signal every process of the step, the ranks included: a forwarded copy would be each
@@ -33,6 +34,8 @@ import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
+
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
 
 STOP_GRACE_S = 300
 """Default ``--shutdown-timeout``: seconds the agent gives the ranks to finish their step and its
@@ -134,9 +137,20 @@ def keep_stop_signals_from_the_ranks() -> None:
     api.PContext.start = _start  # type: ignore[method-assign]
 
 
+def refused_exit_code(failures: dict[int, int]) -> int | None:
+    """The code to exit with when the ranks refused their input (``failures``: global rank -> exit
+    code of each rank that failed): :data:`CONFIG_ERROR` when every one exited with it (each rank
+    already printed the key and the fix; torch's ChildFailedError traceback would only bury that),
+    else None (a real failure: let torch report it)."""
+    if failures and all(code == CONFIG_ERROR for code in failures.values()):
+        return CONFIG_ERROR
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     bind_agent_stores()
     args, ranks_get_signals = stop_args(standalone_args(list(sys.argv[1:] if argv is None else argv)))
@@ -146,6 +160,17 @@ def main(argv: list[str] | None = None) -> None:
     exits.record()
     try:
         run.main(args)
+    except ChildFailedError as e:
+        code = refused_exit_code({r: f.exitcode for r, f in e.failures.items()})
+        if code is None:
+            raise
+        print(
+            f"launch.torchrun: every failed rank exited {code} (a bad config or input: its message "
+            "is above); nothing was started",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(code)
     except SignalException as e:
         if not exits.all_clean:
             raise
