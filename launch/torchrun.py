@@ -18,9 +18,10 @@ group is forwarded by the agent to every rank's process group; each rank's entry
 shorter than a step plus a save, so this launcher defaults it to :data:`STOP_GRACE_S` (bounded: a
 rank that hangs is still killed). When every rank exited 0 after the stop, this process exits 0
 too (torch's agent re-raises the signal as an error, exit 1), so a requeueing scheduler sees a clean
-stop. When every rank that failed exited 2 (a refused config or input: each printed the key and the
-fix), this process exits 2 too, without torch's ChildFailedError traceback. A second signal to the
-agent forwards a second one to the ranks: they stop at once, no checkpoint of the step (exit 128 + N).
+stop. When the ranks refused their config or inputs (each printed the key and the fix and exited 2;
+the agent stops the rest), this process exits 2 too, without torch's ChildFailedError traceback. A
+second signal to the agent forwards a second one to the ranks: they stop at once, no checkpoint of
+the step (exit 128 + N).
 
 Under SLURM (``ProctrackType=proctrack/linuxproc`` or ``cgroup``) ``scancel --signal`` and
 preemption signal every process of the step, the ranks included: a forwarded copy would be each
@@ -137,12 +138,19 @@ def keep_stop_signals_from_the_ranks() -> None:
     api.PContext.start = _start  # type: ignore[method-assign]
 
 
+_AGENT_STOPS = (-signal.SIGTERM, -signal.SIGKILL)
+"""Exit codes of a rank the agent stopped because another failed (SIGTERM, SIGKILL after the
+shutdown timeout), as ``Popen`` reports them."""
+
+
 def refused_exit_code(failures: dict[int, int]) -> int | None:
     """The code to exit with when the ranks refused their input (``failures``: global rank -> exit
-    code of each rank that failed): :data:`CONFIG_ERROR` when every one exited with it (each rank
-    already printed the key and the fix; torch's ChildFailedError traceback would only bury that),
-    else None (a real failure: let torch report it)."""
-    if failures and all(code == CONFIG_ERROR for code in failures.values()):
+    code of each rank that failed): :data:`CONFIG_ERROR` when a rank exited with it and every other
+    failed rank did too or was only stopped by the agent after that (each refusing rank printed the
+    key and the fix; torch's ChildFailedError traceback would only bury it), else None (a real
+    failure: torch reports it)."""
+    codes = list(failures.values())
+    if CONFIG_ERROR in codes and all(c == CONFIG_ERROR or c in _AGENT_STOPS for c in codes):
         return CONFIG_ERROR
     return None
 
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         if code is None:
             raise
         print(
-            f"launch.torchrun: every failed rank exited {code} (a bad config or input: its message "
+            f"launch.torchrun: the ranks refused the config or its inputs (exit {code}; the message "
             "is above); nothing was started",
             file=sys.stderr,
             flush=True,

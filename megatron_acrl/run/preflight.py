@@ -149,6 +149,9 @@ def _check_tokens(cfg: Config, task: Task | None) -> Errors:
     try:
         tok, where = load_tokenizer(cfg)
     except ValueError as err:  # the tiny tokenizer: bytes + special tokens do not fit the vocab
+        if cfg.model.tokenizer_path or cfg.model.hf_path:  # a directory without a usable tokenizer
+            key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
+            return [(key, f"no tokenizer could be loaded: {err}")]
         return [
             ("model.vocab_size", f"the tiny local tokenizer cannot be built: {err}; raise model.vocab_size")
         ]
