@@ -4,11 +4,13 @@
         --time 24:00:00 [section.key=value ...] [--dry-run]
 
 Before anything is queued: the config is loaded and validated (exit 2 with its message), the files
-it reads must exist here (``Config.check_paths``), the node layout must fit the parallel layout
-(:mod:`launch.plan`) and the partition (:mod:`launch.cluster`: unknown partition, more nodes or GPUs
-or CPUs per node than it has). Then the resolved config is frozen into
-``<output-dir>/<job-name>/submitted-config.yaml`` (a requeued run reads exactly what was submitted),
-the script from ``launch/templates/job.sbatch`` is written next to it and submitted.
+it reads must exist here (``Config.check_paths``) and pass the trainer's own input checks (the task's
+data, the tokenizer, every prompt's length: :func:`megatron_acrl.run.preflight.check_inputs`), the
+node layout must fit the parallel layout (:mod:`launch.plan`) and the partition
+(:mod:`launch.cluster`: unknown partition, more nodes or GPUs or CPUs per node than it has).
+Then the resolved config is frozen into ``<output-dir>/<job-name>/submitted-config.yaml`` (a
+requeued run reads exactly what was submitted), the script from ``launch/templates/job.sbatch``
+is written next to it and submitted.
 
 Everything of the job lives under ``<output-dir>/<job-name>/``: ``logs/job-<id>.out`` (the script
 and every trainer rank, prefixed by rank), ``logs/server-<i>.log``, ``checkpoints/``, ``wandb/``,
@@ -33,6 +35,7 @@ import yaml
 from launch.cluster import ClusterError, check_plan_fits, partition_info
 from launch.plan import DEFAULT_PORT, JobPlan, plan_job
 from megatron_acrl.config import Config, ConfigError, config_to_dict, exit_codes, load_config, parse_overrides
+from megatron_acrl.run.preflight import check_inputs
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch"
 WRAPPER = Path(__file__).with_name("rank_wrapper.sh")
@@ -128,6 +131,9 @@ def resolve_config(args: argparse.Namespace, run_dir: Path) -> Config:
     """The config the job runs: file + overrides, with checkpoints and W&B files under ``run_dir``."""
     cfg = load_config(args.config, args.overrides)
     cfg.check_paths()
+    inputs = check_inputs(cfg)  # data, tokenizer, prompt lengths: what the trainer's pre-flight reads
+    if inputs:
+        raise ConfigError(inputs)
     given = parse_overrides(args.overrides)
     job: list[str] = ["training.resume=true"]
     # Checkpoints belong to the job (the requeued run resumes from them) unless explicitly overridden.

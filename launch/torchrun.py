@@ -18,8 +18,10 @@ group is forwarded by the agent to every rank's process group; each rank's entry
 shorter than a step plus a save, so this launcher defaults it to :data:`STOP_GRACE_S` (bounded: a
 rank that hangs is still killed). When every rank exited 0 after the stop, this process exits 0
 too (torch's agent re-raises the signal as an error, exit 1), so a requeueing scheduler sees a clean
-stop. A second signal to the agent forwards a second one to the ranks: they stop at once, no
-checkpoint of the step (exit 128 + N).
+stop. When the ranks refused their config or inputs (each printed the key and the fix and exited 2;
+the agent stops the rest), this process exits 2 too, without torch's ChildFailedError traceback. A
+second signal to the agent forwards a second one to the ranks: they stop at once, no checkpoint of
+the step (exit 128 + N).
 
 Under SLURM (``ProctrackType=proctrack/linuxproc`` or ``cgroup``) ``scancel --signal`` and
 preemption signal every process of the step, the ranks included: a forwarded copy would be each
@@ -33,6 +35,8 @@ import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
+
+from megatron_acrl.config.exit_codes import CONFIG_ERROR
 
 STOP_GRACE_S = 300
 """Default ``--shutdown-timeout``: seconds the agent gives the ranks to finish their step and its
@@ -134,9 +138,27 @@ def keep_stop_signals_from_the_ranks() -> None:
     api.PContext.start = _start  # type: ignore[method-assign]
 
 
+_AGENT_STOPS = (-signal.SIGTERM, -signal.SIGKILL)
+"""Exit codes of a rank the agent stopped because another failed (SIGTERM, SIGKILL after the
+shutdown timeout), as ``Popen`` reports them."""
+
+
+def refused_exit_code(failures: dict[int, int]) -> int | None:
+    """The code to exit with when the ranks refused their input (``failures``: global rank -> exit
+    code of each rank that failed): :data:`CONFIG_ERROR` when a rank exited with it and every other
+    failed rank did too or was only stopped by the agent after that (each refusing rank printed the
+    key and the fix; torch's ChildFailedError traceback would only bury it), else None (a real
+    failure: torch reports it)."""
+    codes = list(failures.values())
+    if CONFIG_ERROR in codes and all(c == CONFIG_ERROR or c in _AGENT_STOPS for c in codes):
+        return CONFIG_ERROR
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     bind_agent_stores()
     args, ranks_get_signals = stop_args(standalone_args(list(sys.argv[1:] if argv is None else argv)))
@@ -146,6 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     exits.record()
     try:
         run.main(args)
+    except ChildFailedError as e:
+        code = refused_exit_code({r: f.exitcode for r, f in e.failures.items()})
+        if code is None:
+            raise
+        print(
+            f"launch.torchrun: the ranks refused the config or its inputs (exit {code}; the message "
+            "is above); nothing was started",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(code)
     except SignalException as e:
         if not exits.all_clean:
             raise

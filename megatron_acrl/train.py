@@ -197,9 +197,11 @@ def run(
             if args.export_hf:
                 export_hf(ctx, args.export_hf)
             if ctx.rank == 0:
-                print(
-                    f"run finished at step {state.step}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True
-                )
+                ended = f"finished at step {state.step}"
+                if stop.requested:  # a stop is not the end of the run: say so, and whether it resumes
+                    saved = " (checkpointed)" if ctx.last_checkpoint_step == state.step else ""
+                    ended = f"stopped at step {state.step}{saved}"
+                print(f"run {ended}; metrics: {ctx.run_dir / 'metrics.jsonl'}", flush=True)
         finally:
             ctx.close()
     return state

@@ -40,6 +40,15 @@ def _good_rows(n: int = 3) -> str:
     return "".join(json.dumps(GOOD_ROW) + "\n" for _ in range(n))
 
 
+def _hf(tmp: Path) -> list[str]:
+    """``model.hf_path`` of a real tiny HF checkpoint of the base config's model (its config.json
+    says rotary_base 10000, norm_epsilon 1e-6, ffn_hidden_size 128, no q/k norm)."""
+    from megatron_acrl.config import ModelConfig
+    from megatron_acrl.warmstart.tiny_model import build_checkpoint
+
+    return [f"model.hf_path={build_checkpoint(ModelConfig(), seed=0, cache_dir=tmp / 'models')}"]
+
+
 def _yaml(tmp: Path, text: str) -> str:
     path = tmp / "dup.yaml"
     path.write_text(Path(BASE).read_text() + text)
@@ -241,6 +250,56 @@ CASES: list[tuple[str, Setup, str, str]] = [
         "no such file",
     ),
     ("tp_not_dividing", lambda t: (BASE, ["parallel.tp=3"]), "parallel.tp", "divisible by tp=3"),
+    # -- issue #36: the model config against its checkpoint's config.json, ACRL's reference lag,
+    #    the keys a resume may be told to accept
+    (
+        "hf_rotary_base_disagrees",
+        lambda t: (BASE, [*_hf(t), "model.rotary_base=5e5"]),
+        "model.rotary_base",
+        "5e5 disagrees with",
+    ),
+    (
+        "hf_norm_epsilon_disagrees",
+        lambda t: (BASE, [*_hf(t), "model.norm_epsilon=1e-5"]),
+        "model.norm_epsilon",
+        "which sets norm_epsilon = 1e-06",
+    ),
+    (
+        "hf_ffn_hidden_size_disagrees",
+        lambda t: (BASE, [*_hf(t), "model.ffn_hidden_size=256"]),
+        "model.ffn_hidden_size",
+        "256 disagrees with",
+    ),
+    (
+        "hf_qk_layernorm_disagrees",
+        lambda t: (BASE, [*_hf(t), "model.qk_layernorm=true"]),
+        "model.qk_layernorm",
+        "which sets qk_layernorm = False",
+    ),
+    (
+        "reference_lag_unreachable",
+        lambda t: (BASE, ["correction.reference_lag=5"]),
+        "correction.reference_lag",
+        "5 is never reached: this run samples every batch at a lag of at most 0",
+    ),
+    (
+        "allow_changes_model_shape",
+        lambda t: (BASE, ["training.resume_allow_changes=[model.ffn_hidden_size]"]),
+        "training.resume_allow_changes",
+        "model.ffn_hidden_size can never change on resume",
+    ),
+    (
+        "allow_changes_misspelt",
+        lambda t: (BASE, ["training.resume_allow_changes=[task.num_digit]"]),
+        "training.resume_allow_changes",
+        "did you mean task.num_digits?",
+    ),
+    (
+        "allow_changes_not_checked",
+        lambda t: (BASE, ["training.resume_allow_changes=[training.lr]"]),
+        "training.resume_allow_changes",
+        "training.lr may change on every resume without being listed",
+    ),
 ]
 
 
@@ -341,3 +400,45 @@ def test_server_cores_are_the_machines_not_the_trainers(tmp_path: Path) -> None:
             assert max(mine) in host_cores()
         finally:
             os.sched_setaffinity(0, mine)
+
+
+def test_the_launcher_exits_2_without_a_traceback_on_a_refused_config(tmp_path: Path) -> None:
+    """``python -m launch.torchrun`` (what ``make demo`` and the job script run): every rank exits 2
+    on a bad config, so the launcher does too, without torch's ChildFailedError traceback."""
+    cmd = [
+        sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_acrl.train", "--config", BASE, "correction.reference_lag=5",
+        "--run-dir", str(tmp_path / "r"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == CONFIG_ERROR, out.stderr
+    assert "correction.reference_lag: 5 is never reached" in out.stderr
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_launcher_passes_on_2_only_when_every_failed_rank_refused() -> None:
+    from launch.torchrun import refused_exit_code
+
+    assert refused_exit_code({0: 2, 1: 2}) == CONFIG_ERROR
+    assert refused_exit_code({0: -15, 1: 2}) == CONFIG_ERROR  # rank 0 stopped by the agent after 1 refused
+    assert refused_exit_code({0: 2, 1: 1}) is None  # a crash next to a refusal: torch reports it
+    assert refused_exit_code({0: -9}) is None and refused_exit_code({}) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "setup", "key", "words"),
+    [c for c in _case_params() if c.id in ("json_broken", "not_utf8", "missing_field", "prompt_too_long")],
+)
+def test_submit_dry_run_refuses_what_the_trainer_refuses(
+    name: str, setup: Setup, key: str, words: str, tmp_path: Path, capsys
+) -> None:
+    """``launch.submit --dry-run`` runs the trainer's input checks (data, tokenizer, prompt lengths):
+    a job that would fail on them is never queued."""
+    from launch.submit import main as submit_main
+
+    config, argv = setup(tmp_path)
+    rc = submit_main([config, *argv, "--dry-run", "--skip-cluster-checks", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == CONFIG_ERROR, f"{name}: exit {rc}\n{err}"
+    assert f"  {key}: " in err and words in err and "nothing was submitted" in err

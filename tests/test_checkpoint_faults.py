@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -251,7 +252,8 @@ def test_a_save_that_would_not_fit_is_refused_before_writing(tmp_path, monkeypat
     ctx.policy.step = 2
     with pytest.raises(checkpoint.CheckpointSpaceError) as err:
         save_checkpoint(ctx, DriverState(step=2))
-    assert "not enough free space for the checkpoint of step 2" in str(err.value)
+    assert "RL step 2: not enough free space for the next checkpoint (step_00000002)" in str(err.value)
+    assert re.search(r"about [\d.]+ (KiB|MiB) needed", str(err.value)), str(err.value)  # not "0.00 GiB"
     assert "Free at least" in str(err.value) and "training.checkpoint_dir" in str(err.value)
     assert sorted(p.name for p in root.iterdir()) == ["latest.json", "step_00000001"]  # no partial save
 

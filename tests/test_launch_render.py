@@ -15,6 +15,7 @@ import pytest
 from launch.plan import DEFAULT_API_KEY_ENV, plan_job
 from launch.submit import main as submit_main
 from megatron_acrl.config import ConfigError, exit_codes, load_config
+from megatron_acrl.warmstart.tiny_model import build_tokenizer
 from sglang_bridge.server import ServersNotReady, wait_for_servers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,8 @@ def _render(tmp_path: Path, capsys, *args: str) -> str:
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n')
     ckpt = tmp_path / "hf"
-    ckpt.mkdir(exist_ok=True)
+    if not ckpt.exists():  # submit loads the tokenizer as the trainer would: a real (tiny) one
+        shutil.copytree(build_tokenizer(320), ckpt)
     rc = submit_main(
         [
             str(QWEN7B),

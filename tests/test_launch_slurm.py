@@ -19,10 +19,14 @@ import pytest
 from launch_helpers import job_id_of, job_info, queued_jobs, submit, wait_job
 from launch_helpers import slurm as slurm  # noqa: F401 - session fixture
 
+from megatron_acrl.warmstart.tiny_model import build_tokenizer
+
 pytestmark = pytest.mark.usefixtures("slurm")
 
 TINY = "configs/tiny_dense.yaml"
 STANDIN = ["--entry-module", "tests.launch_standin_trainer"]
+TOKENIZER = str(build_tokenizer(320))
+"""A stand-in ``model.hf_path``: submit loads its tokenizer as the trainer would (no config.json)."""
 
 
 def _free_port() -> int:
@@ -41,8 +45,8 @@ def _log(run: Path, job: str) -> str:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--gpus-per-node", "4", "model.hf_path=/tmp"], "have at most 2 GPUs"),
-        (["--nodes", "3", "model.hf_path=/tmp"], "has only 1 node(s)"),
+        (["--gpus-per-node", "4", f"model.hf_path={TOKENIZER}"], "have at most 2 GPUs"),
+        (["--nodes", "3", f"model.hf_path={TOKENIZER}"], "has only 1 node(s)"),
         (["--partition", "nope"], "unknown partition 'nope'; this cluster has: debug"),
         (["task.name=gsm8k", "task.data_path=/nonexistent/train.jsonl"], "task.data_path: no such file"),
         (["model.hf_path=/nonexistent/ckpt"], "model.hf_path: no such file"),
@@ -91,7 +95,7 @@ def test_torchrun_with_servers_started_by_the_job(tmp_path):
     proc = submit(
         [TINY, "--output-dir", str(tmp_path), *STANDIN, "--server-module", "tests.launch_standin_server",
          "--servers-in-job", "--launcher", "torchrun", "--ranks-per-node", "1",
-         f"rollout.base_port={port}", f"model.hf_path={tmp_path}", "training.num_steps=2"]
+         f"rollout.base_port={port}", f"model.hf_path={TOKENIZER}", "training.num_steps=2"]
     )  # fmt: skip
     job = job_id_of(proc)
     info = wait_job(job)
@@ -125,7 +129,7 @@ def test_server_that_does_not_come_up_is_named(tmp_path, mode, why):
     proc = submit(
         [TINY, "--output-dir", str(tmp_path), *STANDIN, "--server-module", "tests.launch_standin_server",
          "--servers-in-job", "--server-timeout", "3", "--ranks-per-node", "1",
-         f"rollout.base_port={port}", f"model.hf_path={tmp_path}"],
+         f"rollout.base_port={port}", f"model.hf_path={TOKENIZER}"],
         env={"STANDIN_SERVER_MODE": mode},
     )  # fmt: skip
     job = job_id_of(proc)

@@ -16,6 +16,7 @@ import yaml
 
 from megatron_acrl.config._base import ConfigError, _raise_if
 from megatron_acrl.config.algorithm import ALGORITHMS, AlgorithmConfig, FromRollout
+from megatron_acrl.config.hf_arch import apply_hf_architecture
 from megatron_acrl.config.rollout import RolloutConfig
 from megatron_acrl.config.run import Config
 
@@ -262,9 +263,11 @@ def apply_name_defaults(data: dict) -> tuple[dict, Sources]:
 
 
 def config_with_sources(data: dict) -> tuple[Config, Sources]:
-    """:func:`config_from_dict` and the fields ``algorithm.name`` set (:func:`apply_name_defaults`)."""
+    """:func:`config_from_dict` and the fields ``algorithm.name`` set (:func:`apply_name_defaults`)
+    and ``model.hf_path``'s config.json set (:func:`apply_hf_architecture`)."""
     data, sources = apply_name_defaults(data)
-    return _build(Config, data, ""), sources
+    data, from_hf = apply_hf_architecture(data)
+    return _build(Config, data, ""), {**sources, **from_hf}
 
 
 def config_from_dict(data: dict) -> Config:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_acrl.config._base import _check, _raise_if
 from megatron_acrl.config.algorithm import AlgorithmConfig, CorrectionConfig
 from megatron_acrl.config.model import ModelConfig, ParallelConfig
+from megatron_acrl.config.resume_keys import allow_changes_errors
 from megatron_acrl.config.rollout import RolloutConfig
 from megatron_acrl.config.training import LoggingConfig, TaskConfig, TrainingConfig
 
@@ -161,6 +162,7 @@ class Config:
                 f"task.name=addition with num_digits <= 2 (100 or 10,000 prompts), got "
                 f"{t.name} with num_digits={t.num_digits}; set training.exact_eval_interval=0",
             )
+        e += allow_changes_errors(asdict(self), self.training.resume_allow_changes)
         return e + self._algorithm_checks()
 
     def _algorithm_checks(self) -> list[tuple[str, str]]:
@@ -174,6 +176,31 @@ class Config:
             "algorithm.overlong_buffer_len",
             f"{a.overlong_buffer_len} exceeds rollout.max_new_tokens={max_new}: the buffer is the last "
             "tokens before the response limit; lower it (or 0 to disable)",
+        )
+        return e + self._reference_lag_checks()
+
+    @property
+    def max_sampling_lag(self) -> int:
+        """The largest sampling lag a batch of this run can have: the served weights' lag
+        (``rollout.weight_lag_steps``), plus in async mode the versions the producer may run ahead
+        (``rollout.max_staleness``)."""
+        r = self.rollout
+        return r.weight_lag_steps + (r.max_staleness if r.mode == "async" else 0)
+
+    def _reference_lag_checks(self) -> list[tuple[str, str]]:
+        """A ``correction.reference_lag`` no batch reaches would defer ACRL's reference forever:
+        every step alpha 0 (``acrl/reference_deferred`` 1), the correction silently off."""
+        e: list[tuple[str, str]] = []
+        c, reach = self.correction, self.max_sampling_lag
+        _check(
+            e,
+            c.method != "acrl" or c.reference_lag is None or c.reference_lag <= reach,
+            "correction.reference_lag",
+            f"{c.reference_lag} is never reached: this run samples every batch at a lag of at most "
+            f"{reach} (rollout.mode={self.rollout.mode}, weight_lag_steps={self.rollout.weight_lag_steps}"
+            + (f", max_staleness={self.rollout.max_staleness}" if self.rollout.mode == "async" else "")
+            + "), so the reference X would never be measured and ACRL would give alpha 0 at every "
+            f"step; set it to at most {reach}, or null for the run's own lag",
         )
         return e
 

@@ -172,7 +172,7 @@ def load_chunks(model: list[torch.nn.Module], loaded: Mapping[str, Any], path: s
 
 _FRESH_HINT = (
     "set it to the checkpoint's value to resume, or point training.checkpoint_dir at a new "
-    "directory (or set training.resume=false) to start fresh"
+    "directory to start fresh"
 )
 
 
@@ -322,14 +322,24 @@ def space_problem(root: Path, step: int) -> str | None:
     free = shutil.disk_usage(root).free
     if free >= need:
         return None
-    gib = 1 << 30
     return (
-        f"not enough free space for the checkpoint of step {step} in {root}: about {need / gib:.2f} GiB "
-        f"needed (the size of {previous.name} x {SPACE_MARGIN}), {free / gib:.2f} GiB free. Free at "
-        f"least {(need - free) / gib:.2f} GiB on that disk (older step_* directories there you do not "
-        "need, other files), or point training.checkpoint_dir at a larger disk; the checkpoints "
-        "already written are intact and the run resumes from the newest"
+        f"not enough free space for the next checkpoint ({_step_name(step)}) in {root}: about "
+        f"{human_size(need)} needed (the size of {previous.name} x {SPACE_MARGIN}), {human_size(free)} "
+        f"free. Free at least {human_size(need - free)} on that disk (older step_* directories there "
+        "you do not need, other files), or point training.checkpoint_dir at a larger disk; the "
+        "checkpoints already written are intact and the run resumes from the newest"
     )
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``1.6 MiB``, ``512 B``):
+    a checkpoint of a tiny model is megabytes, of a real one hundreds of gigabytes."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def remove_partial_saves(directory: str | os.PathLike) -> list[Path]:

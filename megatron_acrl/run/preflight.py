@@ -33,7 +33,14 @@ from megatron_acrl.config import Config, ConfigError
 from megatron_acrl.run.context import resolve_checkpoint_dir, run_directory
 from megatron_acrl.tasks import Task, make_task
 
-__all__ = ["check_directories", "check_servers", "check_wandb", "preflight", "resolve_checkpoint_dir"]
+__all__ = [
+    "check_directories",
+    "check_inputs",
+    "check_servers",
+    "check_wandb",
+    "preflight",
+    "resolve_checkpoint_dir",
+]
 
 Errors = list[tuple[str, str]]
 
@@ -46,14 +53,21 @@ def preflight(cfg: Config, args: argparse.Namespace) -> None:
     ConfigError listing every problem. Starts nothing; a writability probe leaves nothing behind."""
     errors: Errors = []
     errors += check_directories(cfg, args)
-    task, err = _load_task(cfg)
-    errors += err
-    errors += _check_tokens(cfg, task)
+    errors += check_inputs(cfg)
     if not args.load_rollouts and cfg.rollout.backend == "sglang":
         errors += check_servers(cfg)
     errors += check_wandb(cfg)
     if errors:
         raise ConfigError(errors)
+
+
+def check_inputs(cfg: Config) -> Errors:
+    """The checks of what the run reads that need neither GPUs nor servers nor the run's directories:
+    the task's data, the tokenizer against the embedding table, every prompt's length. The trainer
+    runs them in :func:`preflight`; ``launch.submit`` (``--dry-run`` too) runs them before it queues
+    a job that would fail on them."""
+    task, errors = _load_task(cfg)
+    return errors + _check_tokens(cfg, task)
 
 
 # -- directories ---------------------------------------------------------------------------------
@@ -135,6 +149,9 @@ def _check_tokens(cfg: Config, task: Task | None) -> Errors:
     try:
         tok, where = load_tokenizer(cfg)
     except ValueError as err:  # the tiny tokenizer: bytes + special tokens do not fit the vocab
+        if cfg.model.tokenizer_path or cfg.model.hf_path:  # a directory without a usable tokenizer
+            key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
+            return [(key, f"no tokenizer could be loaded: {err}")]
         return [
             ("model.vocab_size", f"the tiny local tokenizer cannot be built: {err}; raise model.vocab_size")
         ]

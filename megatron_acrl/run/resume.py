@@ -30,6 +30,8 @@ import torch
 
 from megatron_acrl.batch.staleness import parse_version
 from megatron_acrl.config import Config, ConfigError, config_to_dict
+from megatron_acrl.config.resume_keys import FIXED_ON_RESUME, RESUME_KEYS
+from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
 from megatron_acrl.run.context import RunContext, prompt_stream
 from megatron_acrl.servers.publisher import WeightPublisher, check_resumable
 from megatron_acrl.world.distributed import broadcast_object, log0
@@ -87,15 +89,13 @@ def save_checkpoint(
         writers.append(publisher.write)
     if ctx.critic is not None:  # into the same step directory, under the same commit
         writers.append(lambda step_dir: ctx.critic.save_dist(step_dir / ctx.critic.ckpt_kind))
-    path = ctx.policy.save_checkpoint(directory, also=writers)  # policy/, writers, commit
+    try:
+        path = ctx.policy.save_checkpoint(directory, also=writers)  # policy/, writers, commit
+    except CheckpointSpaceError as err:  # checkpoint.py knows the directory; the user counts RL steps
+        raise CheckpointSpaceError(f"RL step {state.step}: {err}") from None
     ctx.last_checkpoint_step = state.step
     log0(f"checkpoint: step {state.step} -> {path}")
     return path
-
-
-RESUME_KEYS = ("model.", "task.", "training.seed", "algorithm.name")
-"""Config keys (prefixes) that change the model or the data: a resume must not change them unless
-``training.resume_allow_changes`` names them."""
 
 
 def resumable_step_dir(cfg: Config, *, checksums: bool = True, report: bool = True) -> Path | None:
@@ -217,14 +217,21 @@ def _refuse_changes(cfg: Config, step_dir: Path, saved: dict[str, Any] | None) -
                 )
                 for k in changed
             ]
-            + [
-                (
-                    "training.resume_allow_changes",
-                    f"set the key(s) back, start fresh in a new training.checkpoint_dir, or accept the "
-                    f"change explicitly: training.resume_allow_changes=[{', '.join(changed)}]",
-                )
-            ]
+            + [("training.resume_allow_changes", _changes_hint(changed))]
         )
+
+
+def _changes_hint(changed: list[str]) -> str:
+    """The fix for a resume that changes ``changed``: a key setting the checkpoint's shapes
+    (:data:`FIXED_ON_RESUME`) can only be set back or started fresh; the others may be accepted."""
+    fixed = [k for k in changed if k in FIXED_ON_RESUME]
+    free = [k for k in changed if k not in FIXED_ON_RESUME]
+    hint = "set the key(s) back, or start fresh in a new training.checkpoint_dir"
+    if fixed:
+        hint += f" ({', '.join(fixed)} can never change on resume: the checkpoint's tensors would not load)"
+    if free:
+        hint += f"; or accept the change explicitly: training.resume_allow_changes=[{', '.join(free)}]"
+    return hint
 
 
 def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
