@@ -132,3 +132,24 @@ def test_a_hung_external_server_is_named_not_killed() -> None:
     servers.urls = ["http://gpu-node-3:30000"]
     with pytest.raises(ServerGoneError, match=r"gpu-node-3.*launch scripts own those.*weight_sync_timeout_s"):
         servers.replace_hung(escalate=True)
+
+
+def test_close_kills_hung_servers_before_the_update_group_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung server would hold ``destroy_weights_update_group`` for a full request timeout on the way
+    out (issue #36 item 8): close kills it first, so the teardown's request to it is refused at once."""
+    from megatron_acrl.servers.handle import RolloutServers
+
+    standins = Servers(["up", "stopped", "deaf"])
+    _answering(monkeypatch, standins)
+    log = standins.log
+
+    class Sync:
+        def close(self) -> None:  # the group teardown: by now no hung server is left running
+            log.append(("teardown", [s.state for s in standins.servers]))
+
+    handle = object.__new__(RolloutServers)
+    handle.router, handle.synchronizer, handle.servers = None, Sync(), standins.servers  # type: ignore[assignment]
+    handle._api_key = "key"
+    handle.close()
+    assert log[:3] == [("stop", 1, "stopped"), ("stop", 2, "deaf"), ("teardown", ["up", "dead", "dead"])]
+    assert log[3] == ("stop", 0, "up") and handle.servers == []  # then every server, as before

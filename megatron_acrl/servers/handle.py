@@ -84,6 +84,10 @@ from sglang_bridge.weight_sync import ControlStore, DistributedWeightSynchronize
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
 log = logging.getLogger(__name__)
 
+CLOSE_PROBE_TIMEOUT_S = 2.0
+"""At close, a server that answers no health request this long (twice) is taken as hung and killed
+before the update group's teardown: a bound on the way out instead of a full request timeout."""
+
 
 def run_api_key(cfg: Config) -> str:
     """The key of this run's servers: the value of the variable ``rollout.api_key_env`` names, else a
@@ -508,10 +512,17 @@ class RolloutServers(ServerRecovery):
         return metrics
 
     def close(self) -> None:
+        """Stop the router, leave the update group, stop the servers. A hung server would hold the
+        group's teardown (``destroy_weights_update_group``) for a full request timeout, so hung ones
+        are killed first: the teardown's request to them is then refused at once."""
         if self.router is not None:
             self.router.stop()
             self.router = None
         if self.synchronizer is not None:
+            for i, why in self.hung_servers(CLOSE_PROBE_TIMEOUT_S).items():
+                s = self.servers[i]
+                log.warning("rollout server %s (pid %s) is hung at close (%s): killing it", s.name, s.pid, why)
+                s.stop(grace_s=0.0)
             try:
                 self.synchronizer.close()
             except Exception:  # noqa: BLE001 - best effort at shutdown
