@@ -454,6 +454,8 @@ class SGLangServer(ChildProcess):
         if proc is not None:
             # Collected first: a child whose parent is gone can no longer be found (proctree doc).
             tree = proctree.descendants(proc.pid) if proc.poll() is None else []
+            # Its shared memory too: a killed tree never unlinks it, and /dev/shm fills up.
+            shm = proctree.shm_files([proc.pid, *(p for p, _ in tree)])
             if proc.poll() is None and not self.frozen():
                 self._signal_group(signal.SIGTERM)
                 try:
@@ -464,6 +466,7 @@ class SGLangServer(ChildProcess):
             proctree.kill_tree(proc.pid, tree)
             with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: alive() is False after stop()
                 proc.wait(timeout=max(grace_s, 10.0))
+            proctree.remove_files(shm)
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if self._pump is not None:

@@ -521,7 +521,9 @@ class RolloutServers(ServerRecovery):
         if self.synchronizer is not None:
             for i, why in self.hung_servers(CLOSE_PROBE_TIMEOUT_S).items():
                 s = self.servers[i]
-                log.warning("rollout server %s (pid %s) is hung at close (%s): killing it", s.name, s.pid, why)
+                log.warning(
+                    "rollout server %s (pid %s) is hung at close (%s): killing it", s.name, s.pid, why
+                )
                 s.stop(grace_s=0.0)
             try:
                 self.synchronizer.close()
