@@ -84,6 +84,10 @@ from sglang_bridge.weight_sync import ControlStore, DistributedWeightSynchronize
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
 log = logging.getLogger(__name__)
 
+EXTERNAL_REFUSED_S = 10.0
+"""A ``rollout.server_urls`` entry that refuses every connection this long is reported at once
+(nothing listens there) instead of after the whole ``rollout.startup_timeout_s``."""
+
 CLOSE_PROBE_TIMEOUT_S = 2.0
 """At close, a server that answers no health request this long (twice) is taken as hung and killed
 before the update group's teardown: a bound on the way out instead of a full request timeout."""
@@ -237,7 +241,11 @@ class RolloutServers(ServerRecovery):
         r = self.cfg.rollout
         if r.server_urls:
             urls = list(r.server_urls)
-            wait_for_servers(urls, timeout_s=r.startup_timeout_s, api_key=self.api_key)
+            # The job script waited for them (launch.wait_servers): one that refuses connections now
+            # has nothing listening, and waiting the whole startup_timeout_s would not change that.
+            wait_for_servers(
+                urls, timeout_s=r.startup_timeout_s, api_key=self.api_key, refused_for_s=EXTERNAL_REFUSED_S
+            )
             if open_ := {u: "answers without an API key" for u in urls if answers_anonymous(u)}:
                 raise ServersNotReady(
                     f"rollout.server_urls: {', '.join(open_)} answer(s) requests without an API key, so "
