@@ -192,6 +192,8 @@ def run(
                 state = train(ctx, state, producer, stop)
                 if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step != state.step:
                     producer.save_checkpoint(state)
+                if ctx.cfg.training.checkpoint_dir and ctx.last_checkpoint_step == state.step:
+                    stop.checkpointed_step = state.step  # a signal from here on loses nothing
             finally:
                 producer.close()
             if args.export_hf:
@@ -230,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointSpaceError as err:  # refused before writing: the checkpoints so far are intact
         print(f"checkpoint not written: {err}", file=sys.stderr)
         return 1
-    except Interrupted as err:  # a second stop signal: no checkpoint of this step
+    except Interrupted as err:  # a second stop signal
+        if err.checkpointed_step is not None:  # during the clean-up of a checkpointed stop
+            print(f"{err} during clean-up; step {err.checkpointed_step} is checkpointed", file=sys.stderr)
+            return 0
         print(f"{err}: stopped without a checkpoint of the current step", file=sys.stderr)
         return err.exit_code
     return 0

@@ -75,3 +75,35 @@ def kill_tree(pgid: int, tree: list[Proc]) -> None:
         if same(proc):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(proc[0], signal.SIGKILL)
+
+
+SHM = Path("/dev/shm")
+
+
+def shm_files(pids: list[int]) -> set[Path]:
+    """The ``/dev/shm`` files that any of ``pids`` holds open or mapped (from ``/proc/<pid>/fd`` and
+    ``/proc/<pid>/maps``): a server's own shared memory, e.g. SGLang's ``sglang_loads_*.shm`` load
+    slots and multiprocessing's ``sem.mp-*`` semaphores, which a SIGKILLed tree never unlinks.
+    Unlinked ones (`` (deleted)``) are left out; an unreadable process contributes nothing."""
+    found: set[Path] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in (_PROC / str(pid) / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    found.add(Path(os.readlink(fd)))
+        with contextlib.suppress(OSError):
+            for line in (_PROC / str(pid) / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6:
+                    found.add(Path(parts[5]))
+    return {p for p in found if p.parent == SHM and not str(p).endswith(" (deleted)")}
+
+
+def remove_files(paths: set[Path]) -> list[Path]:
+    """Unlink ``paths`` (those :func:`shm_files` found in a tree that is gone now); returns the removed."""
+    removed = []
+    for p in sorted(paths):
+        with contextlib.suppress(OSError):
+            p.unlink()
+            removed.append(p)
+    return removed

@@ -133,13 +133,18 @@ def wait_for_servers(
     poll_s: float = 1.0,
     watch_pid: int | None = None,
     log_hint: str | None = None,
+    refused_for_s: float | None = None,
 ) -> None:
     """Block until every URL is healthy; raise :class:`ServersNotReady` naming each one that is not.
 
     ``log_hint`` is a format string with ``{index}`` and ``{url}`` pointing at a server's log, added
-    to the message so the reader knows where to look.
+    to the message so the reader knows where to look. ``refused_for_s``: give up on a URL whose
+    connection is refused at every probe for this long -- nothing listens there. Only for servers
+    that should already run (the trainer's ``rollout.server_urls``, after the job script's wait): a
+    server that is still loading refuses connections too, so a wait for a starting one passes None.
     """
     pending = dict.fromkeys(urls, "not probed yet")
+    refused_since: dict[str, float] = {}
     deadline = time.monotonic() + timeout_s
     while True:
         fatal: dict[str, str] = {}
@@ -151,6 +156,13 @@ def wait_for_servers(
                 pending[url] = what
                 if is_fatal:
                     fatal[url] = what
+            if ok or "Connection refused" not in what:
+                refused_since.pop(url, None)
+            elif (
+                refused_for_s is not None
+                and time.monotonic() - refused_since.setdefault(url, time.monotonic()) >= refused_for_s
+            ):
+                fatal[url] = f"{what} for {refused_for_s:g} s: no server listens there"
         if not pending:
             return
         if fatal:
@@ -454,6 +466,8 @@ class SGLangServer(ChildProcess):
         if proc is not None:
             # Collected first: a child whose parent is gone can no longer be found (proctree doc).
             tree = proctree.descendants(proc.pid) if proc.poll() is None else []
+            # Its shared memory too: a killed tree never unlinks it, and /dev/shm fills up.
+            shm = proctree.shm_files([proc.pid, *(p for p, _ in tree)])
             if proc.poll() is None and not self.frozen():
                 self._signal_group(signal.SIGTERM)
                 try:
@@ -464,6 +478,7 @@ class SGLangServer(ChildProcess):
             proctree.kill_tree(proc.pid, tree)
             with contextlib.suppress(subprocess.TimeoutExpired):  # reaped: alive() is False after stop()
                 proc.wait(timeout=max(grace_s, 10.0))
+            proctree.remove_files(shm)
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if self._pump is not None:

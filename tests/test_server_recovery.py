@@ -132,3 +132,54 @@ def test_a_hung_external_server_is_named_not_killed() -> None:
     servers.urls = ["http://gpu-node-3:30000"]
     with pytest.raises(ServerGoneError, match=r"gpu-node-3.*launch scripts own those.*weight_sync_timeout_s"):
         servers.replace_hung(escalate=True)
+
+
+def test_close_kills_hung_servers_before_the_update_group_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung server would hold ``destroy_weights_update_group`` for a full request timeout on the way
+    out (issue #36 item 8): close kills it first, so the teardown's request to it is refused at once."""
+    from megatron_acrl.servers.handle import RolloutServers
+
+    standins = Servers(["up", "stopped", "deaf"])
+    _answering(monkeypatch, standins)
+    log = standins.log
+
+    class Sync:
+        def close(self) -> None:  # the group teardown: by now no hung server is left running
+            log.append(("teardown", [s.state for s in standins.servers]))
+
+    handle = object.__new__(RolloutServers)
+    handle.router, handle.synchronizer, handle.servers = None, Sync(), standins.servers  # type: ignore[assignment]
+    handle._api_key = "key"
+    handle.close()
+    assert log[:3] == [("stop", 1, "stopped"), ("stop", 2, "deaf"), ("teardown", ["up", "dead", "dead"])]
+    assert log[3] == ("stop", 0, "up") and handle.servers == []  # then every server, as before
+
+
+def test_an_external_url_nothing_listens_on_is_refused_without_waiting_the_startup_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue #36 item 7: a ``rollout.server_urls`` entry whose connection is refused at once used to be
+    polled for the whole ``startup_timeout_s``; refused for ``EXTERNAL_REFUSED_S`` it is reported."""
+    import dataclasses
+    import socket
+
+    import megatron_acrl.servers.handle as handle_mod
+    from sglang_bridge.server import ServersNotReady
+
+    with socket.socket() as sock:  # a loopback port nothing listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setattr(handle_mod, "EXTERNAL_REFUSED_S", 0.5, raising=False)
+    monkeypatch.setenv("ACRL_TEST_KEY", "key")
+    cfg = load_config(None, [])
+    cfg = dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(
+            cfg.rollout, server_urls=[url], startup_timeout_s=20, api_key_env="ACRL_TEST_KEY"
+        ),
+    )
+    handle = object.__new__(handle_mod.RolloutServers)
+    handle.cfg, handle._api_key = cfg, "key"
+    with pytest.raises(ServersNotReady, match="no server listens there") as err:
+        handle._start()
+    assert url in str(err.value)

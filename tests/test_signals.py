@@ -112,3 +112,51 @@ def test_a_stopped_study_starts_no_run(tmp_path, monkeypatch, cleanups):
         with pytest.raises(study_run.StudyStopped, match="SIGTERM received"):
             study_run.run_grid(load_grid(grid_file), tmp_path / "runs", stop)
     assert started == []
+
+
+def test_a_second_signal_during_clean_up_of_a_checkpointed_stop_exits_0(monkeypatch, cleanups, capsys):
+    """The first SIGTERM stops the loop and the step is checkpointed; a second one while the run closes
+    (``ctx.close()`` runs inside the handlers' block) loses nothing: exit 0, naming the step."""
+    import types
+
+    import megatron_acrl.train as train
+
+    saved = []
+
+    class Ctx:
+        rank = 0
+        cfg = types.SimpleNamespace(training=types.SimpleNamespace(checkpoint_dir="/ckpt"))
+        servers = ()
+        last_checkpoint_step = -1
+        run_dir = ROOT
+
+        def start_logging(self, *_a):
+            pass
+
+        def close(self):
+            signal.raise_signal(signal.SIGTERM)  # the second signal, while cleaning up
+
+    ctx = Ctx()
+
+    class Producer:
+        def save_checkpoint(self, state):
+            saved.append(state.step)
+            ctx.last_checkpoint_step = state.step
+
+        def close(self):
+            pass
+
+    def loop(ctx_, state, producer, stop):
+        signal.raise_signal(signal.SIGTERM)  # the first: stop at the end of the step
+        assert stop.requested
+        return types.SimpleNamespace(step=3)
+
+    monkeypatch.setattr(train, "setup_run", lambda cfg, args, stopping: ctx)
+    monkeypatch.setattr(train, "backends_line", lambda *a: "")
+    monkeypatch.setattr(train, "load_driver_state", lambda c: (types.SimpleNamespace(step=0), None))
+    monkeypatch.setattr(train, "make_producer", lambda *a: Producer())
+    monkeypatch.setattr(train, "train", loop)
+    assert train.main(["--config", str(ROOT / "configs" / "tiny_dense.yaml")]) == 0
+    assert saved == [3] and cleanups == [1]
+    err = capsys.readouterr().err
+    assert "step 3 is checkpointed" in err and "without a checkpoint" not in err

@@ -84,6 +84,14 @@ from sglang_bridge.weight_sync import ControlStore, DistributedWeightSynchronize
 _FP8_MODE = {"none": 0.0, "real": 1.0, "fake-quant": 2.0}
 log = logging.getLogger(__name__)
 
+EXTERNAL_REFUSED_S = 10.0
+"""A ``rollout.server_urls`` entry that refuses every connection this long is reported at once
+(nothing listens there) instead of after the whole ``rollout.startup_timeout_s``."""
+
+CLOSE_PROBE_TIMEOUT_S = 2.0
+"""At close, a server that answers no health request this long (twice) is taken as hung and killed
+before the update group's teardown: a bound on the way out instead of a full request timeout."""
+
 
 def run_api_key(cfg: Config) -> str:
     """The key of this run's servers: the value of the variable ``rollout.api_key_env`` names, else a
@@ -233,7 +241,11 @@ class RolloutServers(ServerRecovery):
         r = self.cfg.rollout
         if r.server_urls:
             urls = list(r.server_urls)
-            wait_for_servers(urls, timeout_s=r.startup_timeout_s, api_key=self.api_key)
+            # The job script waited for them (launch.wait_servers): one that refuses connections now
+            # has nothing listening, and waiting the whole startup_timeout_s would not change that.
+            wait_for_servers(
+                urls, timeout_s=r.startup_timeout_s, api_key=self.api_key, refused_for_s=EXTERNAL_REFUSED_S
+            )
             if open_ := {u: "answers without an API key" for u in urls if answers_anonymous(u)}:
                 raise ServersNotReady(
                     f"rollout.server_urls: {', '.join(open_)} answer(s) requests without an API key, so "
@@ -510,10 +522,19 @@ class RolloutServers(ServerRecovery):
         return metrics
 
     def close(self) -> None:
+        """Stop the router, leave the update group, stop the servers. A hung server would hold the
+        group's teardown (``destroy_weights_update_group``) for a full request timeout, so hung ones
+        are killed first: the teardown's request to them is then refused at once."""
         if self.router is not None:
             self.router.stop()
             self.router = None
         if self.synchronizer is not None:
+            for i, why in self.hung_servers(CLOSE_PROBE_TIMEOUT_S).items():
+                s = self.servers[i]
+                log.warning(
+                    "rollout server %s (pid %s) is hung at close (%s): killing it", s.name, s.pid, why
+                )
+                s.stop(grace_s=0.0)
             try:
                 self.synchronizer.close()
             except Exception:  # noqa: BLE001 - best effort at shutdown

@@ -31,8 +31,11 @@ class Interrupted(BaseException):
     """A second stop signal: stop now. A BaseException, like KeyboardInterrupt, so that no
     ``except Exception`` (the server-fault retries) mistakes it for a fault and carries on."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, checkpointed_step: int | None = None):
         self.signum = signum
+        self.checkpointed_step = checkpointed_step
+        """The step the run had checkpointed before this signal (None: the current step is not
+        checkpointed): a signal during the clean-up of a checkpointed stop loses nothing."""
         super().__init__(f"interrupted by a second {signal.Signals(signum).name}")
 
     @property
@@ -49,6 +52,9 @@ class StopSignals:
         """The first stop signal received (None: none yet)."""
         self.closing = False
         """Set while the entry point cleans up: further signals are only noted."""
+        self.checkpointed_step: int | None = None
+        """Set by the entry point once the current step is checkpointed: a later signal still
+        interrupts the clean-up, but says the stop lost nothing (see :class:`Interrupted`)."""
 
     @property
     def requested(self) -> bool:
@@ -63,7 +69,7 @@ class StopSignals:
         if self.signum is None:
             self.signum = signum
         elif not self.closing:
-            raise Interrupted(signum)
+            raise Interrupted(signum, self.checkpointed_step)
 
 
 @contextlib.contextmanager

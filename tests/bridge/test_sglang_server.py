@@ -228,3 +228,26 @@ def test_a_signalled_parent_leaves_no_server_behind(sig: int, tmp_path: Path, ti
         for p in tree:  # whatever a failure left behind
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+
+
+@pytest.mark.parametrize("hung", [False, True], ids=["stopped", "SIGSTOPped-then-killed"])
+def test_a_stopped_server_leaves_none_of_its_shared_memory(
+    hung: bool, tmp_path: Path, tiny_ckpt: Path
+) -> None:
+    """Issue #36 item 10: each start left a ``sglang_loads_*.shm`` and a ``sem.mp-*`` in /dev/shm (a
+    killed tree never unlinks them). Stopping removes the files the server's own processes held --
+    and only those: /dev/shm is shared with every other process on the host."""
+    from sglang_bridge import proctree
+
+    srv = SGLangServer(
+        ServerSpec(model_path=str(tiny_ckpt), device="cpu"), tmp_path / "s.log", startup_timeout_s=240
+    )
+    with srv:
+        assert srv.pid is not None
+        held = proctree.shm_files([srv.pid, *(p for p, _ in proctree.descendants(srv.pid))])
+        names = {p.name for p in held}
+        assert any(n.startswith("sglang_loads_") for n in names), names  # what used to leak
+        if hung:
+            os.killpg(srv.pid, signal.SIGSTOP)  # a hung server: killed, not asked
+    after = set(os.listdir("/dev/shm"))
+    assert not (names & after), sorted(names & after)  # none of its own is left
