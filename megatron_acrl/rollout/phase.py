@@ -250,14 +250,14 @@ def collect_rollouts(
     """
 
     def retry(attempt: int, why: str) -> None:
-        log0(f"step {step}: rollout server failed ({why}); restarted, re-sending weights and retrying")
+        log0(f"step {step + 1}: rollout server failed ({why}); restarted, re-sending weights and retrying")
         restore()
 
     batch, metrics = vote(
         lambda attempt: _attempt(ctx, state, step, attempt == ATTEMPTS - 1) if ctx.rank == 0 else NO_VERDICT,
         attempts=ATTEMPTS,
         recover=retry,
-        failed=lambda why, exhausted: f"rollout of step {step} failed: {why}",
+        failed=lambda why, exhausted: f"rollout of step {step + 1} failed: {why}",
         stopped=lambda why: stopped_message(step, why),
     )
     metrics.update(rollout_metrics(batch))

@@ -142,7 +142,7 @@ class AsyncProducer(Producer):
             lambda attempt: self._take(step) if self.engine is not None else NO_VERDICT,
             attempts=ATTEMPTS + 1,
             recover=lambda attempt, why: self._restart(step, why),
-            failed=lambda why, exhausted: f"rollout of step {step} failed: {why}",
+            failed=lambda why, exhausted: f"rollout of step {step + 1} failed: {why}",
             stopped=lambda why: stopped_message(step, why),
         )
         metrics.update(rollout_metrics(batch))
@@ -153,7 +153,7 @@ class AsyncProducer(Producer):
     def _restart(self, step: int, why: str) -> None:
         """Every rank, after the engine lost a server: rank 0 restarts it, every rank re-sends the
         served weights, and the engine resubmits what was lost."""
-        log0(f"step {step}: rollout server failed ({why}); restarting it, resubmitting requests")
+        log0(f"step {step + 1}: rollout server failed ({why}); restarting it, resubmitting requests")
         if self.ctx.servers is not None:
             self.ctx.servers.restart()
         self.publisher.restore()  # every rank: the restarted server gets the served weights
