@@ -38,6 +38,7 @@ from security_helpers import (
 from megatron_acrl.config import ConfigError, load_config
 from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.servers.handle import RolloutServers, run_api_key
+from megatron_acrl.warmstart.tiny_model import build_tokenizer
 from sglang_bridge.listeners import port_holder
 from sglang_bridge.server import ServersNotReady, free_port, probe
 from sglang_bridge.server_key import new_api_key
@@ -266,7 +267,7 @@ def test_dry_run_never_shows_the_key(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "launch.submit", CONFIG, "--nodes", "2", "--ranks-per-node", "1",
          "--server-nodes", "1", "--servers-per-node", "1", "--output-dir", str(tmp_path), "--dry-run",
-         "--skip-cluster-checks", f"model.hf_path={tmp_path}"],
+         "--skip-cluster-checks", f"model.hf_path={build_tokenizer(320)}"],  # submit loads its tokenizer
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "ACRL_SGLANG_API_KEY": key},
     )  # fmt: skip
