@@ -121,13 +121,22 @@ def staleness_metrics(
     for k, c in enumerate(counts.tolist()):
         out[f"async/lag_frac/{k}"] = c / n_tok
     for name, subset in (("mismatch_lag0/", valid & (lag == 0)), ("mismatch_lag1plus/", lag >= 1)):
-        if bool(subset.any()):
-            sh = MismatchTensors(old_logprobs, rollout_logprobs, subset, fused=False)
-            partial = mismatch_metrics(
-                sh, num_tokens=int(subset.sum()), num_seqs=int(subset.any(-1).sum()), prefix=name
-            )
-            out.update(finalize_metrics(partial))
+        out.update(subset_mismatch(old_logprobs, rollout_logprobs, subset, name))
     return out
+
+
+def subset_mismatch(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, subset: Tensor, prefix: str
+) -> dict[str, float]:
+    """:func:`~megatron_acrl.correction.mismatch_metrics` over the tokens of ``subset`` (``[N, L]``
+    bool), named ``<prefix>*``; {} when it holds none."""
+    if not bool(subset.any()):
+        return {}
+    sh = MismatchTensors(old_logprobs, rollout_logprobs, subset, fused=False)
+    partial = mismatch_metrics(
+        sh, num_tokens=int(subset.sum()), num_seqs=int(subset.any(-1).sum()), prefix=prefix
+    )
+    return finalize_metrics(partial)
 
 
 def turn_metrics(
@@ -156,14 +165,7 @@ def turn_metrics(
         return {}
     out: dict[str, float] = {}
     for k in range(int(turns[trained].max()) + 1):
-        subset = trained & (turns == k)
-        if bool(subset.any()):
-            sh = MismatchTensors(old_logprobs, rollout_logprobs, subset, fused=False)
-            partial = mismatch_metrics(
-                sh,
-                num_tokens=int(subset.sum()),
-                num_seqs=int(subset.any(-1).sum()),
-                prefix=f"mismatch_turn/{k}/",
-            )
-            out.update(finalize_metrics(partial))
+        out.update(
+            subset_mismatch(old_logprobs, rollout_logprobs, trained & (turns == k), f"mismatch_turn/{k}/")
+        )
     return out
