@@ -119,6 +119,24 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError([(path, f"unsupported field type {tp!r}")])  # pragma: no cover
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of an optional section (``LoraConfig | None``), else None."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and is_dataclass(args[0]) and len(get_args(tp)) == 2:
+            return args[0]
+    return None
+
+
+def _build_field(tp: Any, value: Any, path: str) -> Any:
+    if is_dataclass(tp):
+        return _build(tp, value, path)
+    section = _optional_section(tp)
+    if section is not None:
+        return None if value is None else _build(section, value, path)
+    return _coerce(value, tp, path)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError([(path or "<root>", f"expected a mapping of {cls.__name__} fields, got {data!r}")])
@@ -139,7 +157,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
             continue
         tp = hints[key]
         try:
-            kwargs[key] = _build(tp, value, key_path) if is_dataclass(tp) else _coerce(value, tp, key_path)
+            kwargs[key] = _build_field(tp, value, key_path)
         except ConfigError as err:
             errors += err.errors
     _raise_if(errors)
@@ -324,9 +342,10 @@ def _explain_section(cls: type, section: Any, prefix: str, sources: Sources) -> 
     for f in fields(cls):
         tp = hints[f.name]
         path = f"{prefix}{f.name}"
-        if is_dataclass(tp):
+        sub = tp if is_dataclass(tp) else _optional_section(tp)
+        if sub is not None and (is_dataclass(tp) or getattr(section, f.name) is not None):
             lines.append(f"[{path}]  {docs.get(f.name, '')}")
-            lines += _explain_section(tp, getattr(section, f.name), path + ".", sources)
+            lines += _explain_section(sub, getattr(section, f.name), path + ".", sources)
         else:
             value = config_to_dict(getattr(section, f.name))  # tuples as lists, as YAML writes them
             origin = f"  (from {sources[path]})" if path in sources else ""

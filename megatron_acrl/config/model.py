@@ -9,6 +9,57 @@ from megatron_acrl.config._base import ConfigError, _check, _Section
 
 ModelFamily = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The Megatron linear layers an adapter may sit on (= HF all-linear: q/k/v, o, gate/up, down)."""
+
+_HF_ALIASES = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "qkv_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "gate_up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig(_Section):
+    """Low-rank adapters on the Megatron model (issue #35); ``model.lora: null`` trains every weight."""
+
+    rank: int = 16
+    """The adapter rank r: A is [r, in], B is [out, r]."""
+
+    alpha: float = 32.0
+    """The scale numerator: the adapter adds (alpha / r) * B @ A to the base layer's output."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 in RL recipes: it would make pi_old noisy)."""
+
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """The Megatron linear layers that get an adapter (a subset of linear_qkv, linear_proj, linear_fc1,
+    linear_fc2; on an MoE model linear_fc1/linear_fc2 mean the experts' layers)."""
+
+    sync: Literal["adapter", "merged"] = "adapter"
+    """adapter: push only the adapters to the servers' LoRA engine under a versioned name; merged:
+    fold them into the weights and push those through the full-weight sync."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        e: list[tuple[str, str]] = []
+        _check(e, self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
+        _check(e, self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        _check(e, 0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(e, len(self.target_modules) > 0, "target_modules", f"must name one of {list(LORA_TARGETS)}")
+        for name in self.target_modules:
+            if name in LORA_TARGETS:
+                continue
+            alias = _HF_ALIASES.get(name)
+            fix = f"use the Megatron name {alias!r}" if alias else f"valid names: {', '.join(LORA_TARGETS)}"
+            e.append(("target_modules", f"unknown module {name!r}; {fix}"))
+        return e
+
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
@@ -82,6 +133,9 @@ class ModelConfig(_Section):
 
     tokenizer_path: str | None = None
     """Tokenizer directory; None uses the locally built tiny tokenizer."""
+
+    lora: LoraConfig | None = None
+    """Low-rank adapters (rank, alpha, dropout, target_modules, sync); null trains every weight."""
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []
