@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first study-sweep-pilot study-sweep mutate clean
+.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first study-sweep-pilot study-sweep-pilot2 study-sweep mutate clean
 
 setup: $(STAMP)
 
@@ -79,9 +79,15 @@ study-sweep-pilot: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/lag_sweep_pilot.yaml --jobs 2 --out runs/study \
 		--report runs/study/sweep_pilot_report $(STUDY_ARGS)
 
+# Issue #34's second pilot: the step controller with kappa 1.5, B_min 0.05 (the first pilot found
+# the defaults pinned at the floor on BF16 + lag 8 and idle on stress + lag 8) -> runs/study/sweep_pilot2_report.
+study-sweep-pilot2: $(STAMP)
+	$(PY) -m megatron_acrl.study configs/study/lag_sweep_pilot2.yaml --jobs 2 --out runs/study \
+		--report runs/study/sweep_pilot2_report $(STUDY_ARGS)
+
 # Issue #34's lag sweep: lags {0, 2, 8} x {none, TIS, ACRL-ext, TIS + step control, sign-safe ACRL +
-# step control}, the 30 lag-8 runs of `make study` reused (docs/study/stress_lag.runs.json), 42 new
-# runs -> docs/study/REPORT.md with the pre-registered verdicts and the pick table.
+# step control, TIS + dual clip at lag 8}, the 30 lag-8 runs of `make study` reused
+# (docs/study/stress_lag.runs.json), 48 new runs -> docs/study/REPORT.md with the pre-registered verdicts and the pick table.
 # `make study-sweep STUDY_ARGS=--dry-run` lists the runs it would start.
 study-sweep: $(STAMP)
 	$(PY) -m megatron_acrl.study configs/study/lag_sweep.yaml --jobs 2 --out runs/study \

@@ -68,13 +68,14 @@ def scenario_step_control(args: dict[str, Any]) -> dict[str, Any]:
     out["resumed"] = again.step_controller.state_dict()
     del again
     parallel_state.destroy_model_parallel()
-    out["both"] = _with_acrl(base, fresh, stale)
+    out["both"] = _with_acrl(base, fresh, stale, Path(args["tmp"]) / "ckpt_no_step_control")
     return out
 
 
-def _with_acrl(base: Any, fresh: dict, stale: dict) -> dict[str, Any]:
+def _with_acrl(base: Any, fresh: dict, stale: dict, ckpt: Path) -> dict[str, Any]:
     """ACRL's controller and the step controller side by side, and ACRL alone (no step control: the
-    rate untouched)."""
+    rate untouched); ACRL alone's checkpoint (a run from before step control) then resumed with step
+    control on: ACRL's state comes back, the step controller starts fresh (``pre_step_resumed``)."""
     res: dict[str, Any] = {}
     for name, step_control in (("both", "drift_budget"), ("acrl", "none")):
         corr = dataclasses.replace(base.correction, batch_normalize=False, step_control=step_control)
@@ -84,8 +85,21 @@ def _with_acrl(base: Any, fresh: dict, stale: dict) -> dict[str, Any]:
         lr = trainer.optimizer.param_groups[0]["lr"]
         metrics = trainer.train_step(stale)
         res[name] = {"m0": m0, "m1": m1, "lr": lr, "metrics": metrics, "scale": trainer.lr_scale}
+        if step_control == "none":
+            res["acrl_state"] = trainer.controller.state_dict()
+            trainer.save_checkpoint(ckpt)
         del trainer
         parallel_state.destroy_model_parallel()
+    corr = dataclasses.replace(base.correction, batch_normalize=False, step_control="drift_budget")
+    again = _policy(dataclasses.replace(base, correction=corr))
+    again.load_checkpoint(ckpt)
+    res["pre_step_resumed"] = {
+        "acrl": again.controller.state_dict(),
+        "step": again.step_controller.state_dict(),
+        "lr_scale": again.lr_scale,
+    }
+    del again
+    parallel_state.destroy_model_parallel()
     return res
 
 

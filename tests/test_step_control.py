@@ -145,6 +145,12 @@ def test_the_scale_reaches_the_optimizer_on_every_rank_and_resumes(tmp_path) -> 
         assert both["m1"]["step_control/scale"] < 1.0 and "step_control/scale" not in acrl["m1"]
         assert acrl["scale"] == 1.0 and acrl["metrics"]["lr"] == acrl["lr"]
         assert both["metrics"]["lr"] == pytest.approx(both["lr"] * both["scale"])
+        # A checkpoint from before step control resumes with it on: ACRL's state restored, the step
+        # controller fresh (no reference yet, scale 1) and measured anew from the next lag-0 batch.
+        pre = r["both"]["pre_step_resumed"]
+        assert pre["acrl"] == r["both"]["acrl_state"]
+        assert (pre["step"]["num_updates"], pre["step"]["reference"], pre["step"]["scale"]) == (0, None, 1.0)
+        assert pre["lr_scale"] == 1.0
 
 
 def _worker():

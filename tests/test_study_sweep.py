@@ -40,6 +40,22 @@ def test_the_lag_sweep_has_every_cell_with_its_seeds_and_reuses_the_lag8_runs() 
     assert (safe.alpha_min, safe.step_control) == (0.0, "drift_budget")
     assert (safe.alpha_max, safe.eps, safe.weight_high) == (ext.alpha_max, ext.eps, ext.weight_high)
     assert len(grid.verdicts) >= 6 and grid.pilot
+    # the pilots' choices, written before the sweep ran: kappa 1.5, B_min 0.05 on every step arm, and
+    # TIS + dual clip at lag 8 on 6 seeds
+    for arm, c in grid.configs.items():
+        if c.correction.step_control == "drift_budget":
+            assert (c.correction.step_kappa, c.correction.step_budget_min) == (1.5, 0.05), arm
+    dual = [a for a, c in grid.configs.items() if c.algorithm.dual_clip == 3.0]
+    assert [grid.seeds_of(a) for a in dual] == [(1, 2, 3, 4, 5, 6)] and "kappa 1.5" in grid.choices
+
+
+def test_the_second_pilot_tries_the_tighter_knobs_on_the_pilot_seeds() -> None:
+    pilot2 = load_grid(STUDY / "lag_sweep_pilot2.yaml")
+    new = [a for a in pilot2.configs if a not in reused_arms(pilot2)]
+    assert pilot2.seeds == (101, 102) and len(new) == 2
+    for a in new:
+        c = pilot2.configs[a].correction
+        assert (c.step_control, c.step_kappa, c.step_budget_min) == ("drift_budget", 1.5, 0.05)
 
 
 def test_the_pilot_has_its_three_arms_on_two_seeds() -> None:
@@ -57,7 +73,7 @@ def test_dry_run_lists_the_new_runs_only(capsys) -> None:
     grids = [str(STUDY / "lag_sweep_pilot.yaml"), str(STUDY / "lag_sweep.yaml")]
     assert main([*grids, "--dry-run", "--report", str(ROOT / "docs" / "study")]) == 0
     out = capsys.readouterr().out
-    assert "dry run: 48 run(s) would start" in out  # 6 pilot runs + 42 sweep runs
+    assert "dry run: 54 run(s) would start" in out  # 6 pilot runs + 48 sweep runs
     assert "verdict 1:" in out
 
 
