@@ -148,3 +148,23 @@ def test_the_pick_table_takes_the_best_not_worse_than_tis_and_ties_to_the_simple
     assert "| 2 | `t2` (tis) |" in table
     flags = reward_minus_served([_arm("t", [0.2, 0.3], reward=0.6)])
     assert flags == ["- `t`: reward - served J = +0.450 (reward 0.600)"]
+
+
+def test_an_async_run_gets_the_sweeps_pick_and_explain_says_so() -> None:
+    from megatron_acrl.config.loader import ASYNC_SOURCE, explain, load_config_with_sources
+
+    cfg, sources = load_config_with_sources(ROOT / "configs" / "tiny_async.yaml")
+    assert cfg.rollout.mode == "async" and cfg.correction.method == "acrl"
+    assert (cfg.correction.step_control, cfg.correction.alpha_min) == ("drift_budget", 0.0)
+    assert sources["correction.step_control"] == sources["correction.alpha_min"] == ASYNC_SOURCE
+    assert (cfg.correction.step_kappa, cfg.correction.step_budget_min) == (1.5, 0.05)
+    lines = "\n".join(explain(cfg, sources))
+    assert f"correction.step_control: 'none' | 'drift_budget' = 'drift_budget'  (from {ASYNC_SOURCE})" in lines
+    # an explicit value wins; TIS gets no alpha_min; a sync run (even lagged) is unchanged
+    cfg, sources = load_config_with_sources(
+        ROOT / "configs" / "tiny_async.yaml", ["correction.step_control=none", "correction.method=tis"]
+    )
+    assert (cfg.correction.step_control, cfg.correction.alpha_min) == ("none", None) and not sources
+    cfg, sources = load_config_with_sources(ROOT / "configs" / "demo.yaml", ["rollout.weight_lag_steps=8"])
+    assert (cfg.correction.step_control, cfg.correction.alpha_min) == ("none", None)
+    assert not any(k.startswith("correction.") for k in sources)

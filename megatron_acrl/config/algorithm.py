@@ -290,7 +290,9 @@ class CorrectionConfig(_Section):
     """acrl: bound |alpha| <= alpha_max; None leaves it unbounded (paper)."""
 
     alpha_min: float | None = None
-    """acrl: lower bound of alpha (alpha in [alpha_min, alpha_max]); None keeps the paper's law
+    """acrl: lower bound of alpha (alpha in [alpha_min, alpha_max]; an async ACRL run that leaves it
+    unset gets 0, as the lag sweep found sign-safe ACRL ahead of the paper's law on 6/6 seeds at lag
+    8); None keeps the paper's law
     (the lower bound is -alpha_max, or none). 0 is sign-safe ACRL: the weight interpolates between no
     correction (alpha = 0) and importance weighting (alpha = 1) and never inverts it: under staleness
     (Y > X for the whole run) the paper's alpha < 0 on positive-advantage tokens pulls the update
@@ -327,19 +329,22 @@ class CorrectionConfig(_Section):
     with another ``distance`` or ``reference`` mode; without it such a resume is refused)."""
 
     step_control: Literal["none", "drift_budget"] = "none"
-    """Scale each RL step's learning rate by the drift between trainer and sampler: none leaves the
+    """Scale each RL step's learning rate by the drift between trainer and sampler (an async run
+    that leaves it unset gets drift_budget: the lag sweep's pick at every lag); none leaves the
     rate alone; drift_budget uses s = clip(sqrt(B / D), step_scale_min, 1) for all the step's
     optimizer steps, D the batch's token-mean k3 mismatch, B = max(step_kappa * D_ref,
     step_budget_min), D_ref the k3 of the first lag-0 batch (in async, of its lag-0 tokens). Without
     lag D stays near D_ref and s = 1. It composes with every correction.method: a per-token weight
     re-aims a step but under grad-clip and Adam hardly shortens it (issue #34)."""
 
-    step_kappa: float = 4.0
-    """drift_budget: the budget as a multiple of the lag-0 reference drift D_ref."""
+    step_kappa: float = 1.5
+    """drift_budget: the budget as a multiple of the lag-0 reference drift D_ref (1.5: the lag
+    sweep's second pilot; with 4 the controller hardly bound on stress FP8, whose own k3 is D_ref)."""
 
-    step_budget_min: float = 1.0e-3
-    """drift_budget: the floor of the budget B (k3, nats): a bf16 run's lag-0 drift (~1e-6) would
-    otherwise set a budget every lagged batch exceeds by orders of magnitude."""
+    step_budget_min: float = 0.05
+    """drift_budget: the floor of the budget B (k3, nats): a bf16 run's lag-0 drift (~1e-4) would
+    otherwise set a budget every lagged batch exceeds by orders of magnitude (with 1e-3 the scale sat
+    at its floor on 78-85% of a BF16 + lag 8 run's steps; 0.05: the lag sweep's second pilot)."""
 
     step_scale_min: float = 0.1
     """drift_budget: the smallest learning-rate scale; the step is never stopped outright."""

@@ -280,12 +280,42 @@ def apply_name_defaults(data: dict) -> tuple[dict, Sources]:
     return {**data, "algorithm": filled}, sources
 
 
+ASYNC_SOURCE = "rollout.mode=async: the lag sweep's pick, docs/study/REPORT.md"
+"""What ``--explain`` names as the source of the correction fields an async run gets by default."""
+
+
+def apply_async_correction_defaults(data: dict) -> tuple[dict, Sources]:
+    """``data`` with the correction the lag sweep picked for stale rollouts filled into an async
+    run's correction fields it leaves unset: ``step_control: drift_budget`` (TIS + step control was
+    the pick at lags 0, 2 and 8; at lag 8 exact J 0.749 against TIS's 0.390 and BF16 sync's 0.759)
+    and, when the run uses ACRL, ``alpha_min: 0`` (sign-safe ACRL beat the paper's law at lag 8 on
+    6/6 seeds). A sync run is unchanged (its weight lag is an explicit experiment: the study grids
+    set what they compare). Returns the data and the fields so filled."""
+    rollout = data.get("rollout", {}) if isinstance(data, dict) else None
+    if not isinstance(rollout, dict) or rollout.get("mode") != "async":
+        return data, {}
+    section = data.get("correction", {})
+    if not isinstance(section, dict):
+        return data, {}
+    filled, sources = dict(section), {}
+    wanted: dict[str, Any] = {"step_control": "drift_budget"}
+    if section.get("method", "acrl") == "acrl":
+        wanted["alpha_min"] = 0.0
+    for key, value in wanted.items():
+        if key not in section:
+            filled[key] = value
+            sources[f"correction.{key}"] = ASYNC_SOURCE
+    return {**data, "correction": filled}, sources
+
+
 def config_with_sources(data: dict) -> tuple[Config, Sources]:
-    """:func:`config_from_dict` and the fields ``algorithm.name`` set (:func:`apply_name_defaults`)
-    and ``model.hf_path``'s config.json set (:func:`apply_hf_architecture`)."""
+    """:func:`config_from_dict` and the fields ``algorithm.name`` set (:func:`apply_name_defaults`),
+    an async run's correction defaults (:func:`apply_async_correction_defaults`) and
+    ``model.hf_path``'s config.json set (:func:`apply_hf_architecture`)."""
     data, sources = apply_name_defaults(data)
+    data, from_async = apply_async_correction_defaults(data)
     data, from_hf = apply_hf_architecture(data)
-    return _build(Config, data, ""), {**sources, **from_hf}
+    return _build(Config, data, ""), {**sources, **from_async, **from_hf}
 
 
 def config_from_dict(data: dict) -> Config:

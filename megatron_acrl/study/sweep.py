@@ -144,9 +144,10 @@ def computed_verdicts(grid: Grid, arms: list[ExactArm]) -> list[str]:
 
 
 def section(grid: Grid, arms: list[ExactArm]) -> list[str]:
-    """The sweep's report block: the pre-registered verdicts, their numbers, reward - served J, the
-    pick table."""
-    lines = ["### Pre-registered verdicts (written into the grid file before it ran)", ""]
+    """The sweep's report block: the pick table first (what a reader came for), then the
+    pre-registered verdicts, their numbers and reward - served J."""
+    lines = ["### Pick table: which correction to use at each lag", "", *pick_table(grid, arms), ""]
+    lines += ["### Pre-registered verdicts (written into the grid file before it ran)", ""]
     lines += [f"{i}. {' '.join(v.split())}" for i, v in enumerate(grid.verdicts, 1)] + [""]
     lines += [
         "### The verdicts' numbers (trainer's exact J, paired by seed)",
@@ -155,5 +156,4 @@ def section(grid: Grid, arms: list[ExactArm]) -> list[str]:
         "",
     ]
     lines += ["### Reward minus served exact J (a reward-hacking flag)", "", *reward_minus_served(arms), ""]
-    lines += ["### Pick table", "", *pick_table(grid, arms), ""]
     return lines
