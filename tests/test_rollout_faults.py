@@ -118,7 +118,7 @@ def test_a_dead_router_is_started_again_on_its_port_with_the_same_workers(
     assert not [e for e in servers.log if e[0] in ("stop", "start")]  # the servers are kept
 
 
-def test_a_dead_router_whose_port_was_taken_meanwhile_gets_a_free_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_router_whose_port_was_taken_gets_a_free_one(monkeypatch: pytest.MonkeyPatch) -> None:
     servers, old = _routed(monkeypatch, ["up"])
     old.up = False
     StandInRouter.busy_ports.add(31000)
