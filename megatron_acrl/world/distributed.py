@@ -15,6 +15,7 @@ points at rank 0's message and exits with the same code, which ``launch.torchrun
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -100,16 +101,17 @@ def rank0_refusal() -> int | None:
         store = _world_store()
         if store is None or dist.get_rank() == 0 or not store.check([REFUSED_KEY]):
             return None
-        code = int(store.get(REFUSED_KEY))
-        rank = dist.get_rank()
-        store.set(f"{READ_KEY}{rank}", "1")
+        code, rank = int(store.get(REFUSED_KEY)), dist.get_rank()
     except Exception:  # noqa: BLE001 - no store to ask (rank 0 hosted it): the failure stands
         return None
+    # Printed before rank 0 is told it was read: once rank 0 exits, the launcher stops this rank.
     print(
         f"rank {rank}: stopped because rank 0 refused the run (exit {code}); see rank 0's message above",
         file=sys.stderr,
         flush=True,
     )
+    with contextlib.suppress(Exception):
+        store.set(f"{READ_KEY}{rank}", "1")
     return code
 
 
