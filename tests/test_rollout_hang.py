@@ -6,12 +6,14 @@ offline (``tests/rollout_fault_runner.py``):
   one, re-sends the served weights and retries the step with the same prompts;
 * the sglang-router in front of the lone server SIGKILLed while step 2's rollout is in flight: it
   is started again on its port with the same worker and the step retried;
+* the lone server behind sglang-router SIGSTOPped the same way (the router's HTTP error, or the
+  request's timeout, with no process dead): replaced as without the router, and routed to again;
 * the lone server SIGSTOPped while the async trainer waits for a batch: the engine's requests
   fail, rank 0 replaces the server, and the engine resubmits exactly the lost samples.
 
 Each run finishes, every RL step appears exactly once in ``metrics.jsonl`` and in the W&B offline
 history, and the replacement is in the metrics (``rollout/hung_restarts``,
-``rollout/router_restarts``) and in the log. The three runs share one runner process.
+``rollout/router_restarts``) and in the log. The four runs share one runner process.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ BASE = [
 RUNS = {
     "hung": ([], {"sigstop_server_after_publish": 1}),
     "router": (["rollout.router=sglang"], {"kill_router_after_publish": 1}),
+    "router_hung": (["rollout.router=sglang"], {"sigstop_server_after_publish": 1}),
     "async": (["rollout.mode=async", "rollout.max_staleness=1"], {"sigstop_server_while_waiting": 0}),
 }
 
@@ -94,6 +97,17 @@ def test_a_router_killed_mid_rollout_is_restarted_on_its_port_and_every_step_run
     assert fault["error"] is None and fault["still_running"] == []
     assert fault["router_alive"] and fault["router_port_after"] == fault["router_port_before"]
     assert fault["routed"] == fault["urls"]  # the same worker
+
+
+@pytest.mark.slow
+def test_a_lone_server_hung_behind_the_router_is_replaced_and_routed_to(runs: tuple[Path, str]) -> None:
+    tmp, _ = runs
+    r = _every_step_once(tmp / "router_hung")
+    assert [x["rollout/hung_restarts"] for x in r] == [0.0, 1.0, 1.0]
+    assert all(x["rollout/router_restarts"] == 0.0 for x in r)  # the router was kept
+    fault = json.loads((tmp / "router_hung" / "fault.json").read_text())
+    assert fault["error"] is None and fault["still_running"] == [] and fault["replaced"]
+    assert fault["router_alive"] and fault["routed"] == fault["urls"]  # the fresh server is routed to
 
 
 @pytest.mark.slow
