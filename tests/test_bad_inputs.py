@@ -476,7 +476,7 @@ def test_the_launcher_passes_on_rank_0s_code_when_rank_0_alone_refuses_after_sta
     assert words in out.stderr, out.stderr[-4000:]
     assert f"rank 1: stopped because rank 0 refused the run (exit {SERVERS_UNAVAILABLE})" in out.stderr
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr, out.stderr[-4000:]
-    assert "gloo" not in out.stderr, out.stderr[-4000:]
+    assert "Connection closed by peer" not in out.stderr, out.stderr[-4000:]  # gloo's raw error
 
 
 @pytest.mark.parametrize(
