@@ -37,7 +37,7 @@ BASE = [
     "training.micro_batch_size=8",
     f"training.num_steps={STEPS}",
     # A hung server is found once its requests have waited this long with nothing finished.
-    "rollout.request_timeout_s=30",
+    "rollout.request_timeout_s=45",
     "logging.wandb_mode=offline",
 ]
 RUNS = {
