@@ -19,9 +19,11 @@ shorter than a step plus a save, so this launcher defaults it to :data:`STOP_GRA
 rank that hangs is still killed). When every rank exited 0 after the stop, this process exits 0
 too (torch's agent re-raises the signal as an error, exit 1), so a requeueing scheduler sees a clean
 stop. When the ranks refused their config or inputs (each printed the key and the fix and exited 2;
-the agent stops the rest), this process exits 2 too, without torch's ChildFailedError traceback. A
-second signal to the agent forwards a second one to the ranks: they stop at once, no checkpoint of
-the step (exit 128 + N).
+the agent stops the rest), this process exits 2 too, without torch's ChildFailedError traceback;
+the same when rank 0 alone refused after start-up (a held server port, an unreachable server: exit
+69, or 2) and the other ranks followed it with its code
+(:func:`megatron_acrl.world.distributed.share_refusal`). A second signal to the agent forwards a
+second one to the ranks: they stop at once, no checkpoint of the step (exit 128 + N).
 
 Under SLURM (``ProctrackType=proctrack/linuxproc`` or ``cgroup``) ``scancel --signal`` and
 preemption signal every process of the step, the ranks included: a forwarded copy would be each
@@ -36,7 +38,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-from megatron_acrl.config.exit_codes import CONFIG_ERROR
+from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE, describe
 
 STOP_GRACE_S = 300
 """Default ``--shutdown-timeout``: seconds the agent gives the ranks to finish their step and its
@@ -143,15 +145,21 @@ _AGENT_STOPS = (-signal.SIGTERM, -signal.SIGKILL)
 shutdown timeout), as ``Popen`` reports them."""
 
 
+REFUSALS = (CONFIG_ERROR, SERVERS_UNAVAILABLE)
+"""Exit codes of a rank that refused the run with a message of its own (the key and the fix, or the
+server that is unavailable and why): passed on by the launcher, no traceback."""
+
+
 def refused_exit_code(failures: dict[int, int]) -> int | None:
     """The code to exit with when the ranks refused their input (``failures``: global rank -> exit
-    code of each rank that failed): :data:`CONFIG_ERROR` when a rank exited with it and every other
-    failed rank did too or was only stopped by the agent after that (each refusing rank printed the
-    key and the fix; torch's ChildFailedError traceback would only bury it), else None (a real
-    failure: torch reports it)."""
+    code of each rank that failed): a code of :data:`REFUSALS` when every failed rank exited with
+    that one code, or was only stopped by the agent after that (each refusing rank printed the
+    key and the fix, or followed rank 0's refusal; torch's ChildFailedError traceback would only
+    bury it), else None (a real failure: torch reports it)."""
     codes = list(failures.values())
-    if CONFIG_ERROR in codes and all(c == CONFIG_ERROR or c in _AGENT_STOPS for c in codes):
-        return CONFIG_ERROR
+    refused = {c for c in codes if c in REFUSALS}
+    if len(refused) == 1 and all(c in refused or c in _AGENT_STOPS for c in codes):
+        return refused.pop()
     return None
 
 
@@ -173,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         if code is None:
             raise
         print(
-            f"launch.torchrun: the ranks refused the config or its inputs (exit {code}; the message "
-            "is above); nothing was started",
+            f"launch.torchrun: the ranks refused the run (exit {code}: {describe(code)}; the message "
+            "is above)",
             file=sys.stderr,
             flush=True,
         )

@@ -45,7 +45,7 @@ from megatron_acrl.run.context import RunContext, setup_run
 from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
 from megatron_acrl.run.resume import DriverState, check_resume, checkpoint_due, export_hf, load_driver_state
 from megatron_acrl.world.backends import backends_line
-from megatron_acrl.world.distributed import any_rank, log0
+from megatron_acrl.world.distributed import any_rank, log0, rank0_refusal, share_refusal
 from megatron_acrl.world.signals import Interrupted, StopSignals, stop_on_signals
 from megatron_acrl.world.vote import StoppedWithoutServers
 from sglang_bridge.server import ServersNotReady
@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args)
     except ConfigError as err:  # layout checks that need the launched world (dp, batch divisibility)
         print(err, file=sys.stderr)
-        return CONFIG_ERROR
+        return share_refusal(CONFIG_ERROR)  # rank 0 alone (producer_cpus): the others exit alike
     except ServersNotReady as err:
         print(err, file=sys.stderr)
-        return SERVERS_UNAVAILABLE
+        return share_refusal(SERVERS_UNAVAILABLE)  # rank 0 alone starts the servers
     except CheckpointSpaceError as err:  # refused before writing: the checkpoints so far are intact
         print(f"checkpoint not written: {err}", file=sys.stderr)
         return 1
@@ -238,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"{err}: stopped without a checkpoint of the current step", file=sys.stderr)
         return err.exit_code
+    except Exception:
+        code = rank0_refusal()  # this rank's collective broke because rank 0 refused and left
+        if code is None:
+            raise
+        return code
     return 0
 
 

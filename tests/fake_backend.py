@@ -16,8 +16,11 @@ producer, the rollout phase and the generation engine as a run would:
   ``finish_reason == "abort"``);
 * faults, injected per request (:meth:`FakeBackend.fail_next`): ``"gone"`` (the server dies after
   the request's first token: ``ServerGoneError``, :meth:`dead_servers` names it until
-  :meth:`restart`) or ``"timeout"`` (``TimeoutError``, the server lives on); :meth:`kill` kills it
-  at once, failing every request in flight.
+  :meth:`restart`), ``"timeout"`` (``TimeoutError``, the server lives on), ``"hang"`` (the server
+  hangs: its process runs, every request times out until it is replaced) or ``"refused"`` (the
+  server refuses the request, HTTP 400: the request's own fault); :meth:`kill` kills it at once,
+  failing every request in flight. :meth:`recover_rollout` repairs as the real one does: a dead
+  server restarted, a hung one replaced (``hung_restarts``), nothing found wrong with a refusal.
 
 :func:`make_ctx` builds the :class:`RunContext` the tests use: a real config, task and prompt
 stream, a character tokenizer, a stub policy and the fake backend.
@@ -41,7 +44,7 @@ from megatron_acrl.run.context import RunContext, prompt_stream
 from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.tasks import make_task
 from sglang_bridge.samples import Sample, SamplingParams
-from sglang_bridge.transport import ServerGoneError
+from sglang_bridge.transport import ServerGoneError, SGLangHTTPError
 
 EOS = 1
 PAD = 0
@@ -103,6 +106,8 @@ class FakeBackend:
         self.version = format_version(0)
         self.restarts = 0
         self.hung_restarts = 0
+        self.router_restarts = 0
+        self.hung = False
         self.updates: list[str] = []
         """Every version pushed, in order."""
         self.requests: list[list[list[int]]] = []
@@ -204,8 +209,21 @@ class FakeBackend:
         return [0] if self.dead else []
 
     def restart(self) -> None:
-        self.dead = False
+        self.dead = self.hung = False
         self.restarts += 1
+
+    def recover_rollout(self, error: BaseException) -> str | None:
+        if self.dead:
+            self.restart()
+            return "server(s) fake exited; restarted"
+        if self.hung:
+            self.hung_restarts += 1
+            self.restart()
+            return "server(s) hung (fake: no answer); killed and replaced"
+        if isinstance(error, ServerGoneError | TimeoutError):
+            self.restart()
+            return "no server found dead or hung; restarted every server"
+        return None
 
     def load_metrics(self) -> dict[str, float]:
         return {"rollout/requeued": 0.0}
@@ -265,8 +283,13 @@ class FakeBackend:
             if self.dead or (fault == "gone" and j == 1):
                 self.dead = True
                 raise ServerGoneError(f"fake server {self.url} is gone")
+            if fault == "hang" or self.hung:
+                self.hung = True
+                raise TimeoutError(f"the server finished no request for 5 s ({self.url}, hung)")
             if fault == "timeout":
                 raise TimeoutError(f"fake server {self.url}/generate did not answer within the timeout")
+            if fault == "refused":
+                raise SGLangHTTPError(self.url, "/generate", 400, "the prompt is too long")
             out.append(tok)
             versions.append(self.version)
             if j + 1 == self.pause_at_token and not self.paused_midway.is_set():

@@ -10,8 +10,10 @@ failed late (with a traceback, some after the server started) before the pre-fli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 import megatron_acrl.train as train
-from megatron_acrl.config.exit_codes import CONFIG_ERROR
+from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.warmstart.tiny_model import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -424,6 +426,57 @@ def test_the_launcher_passes_on_2_only_when_every_failed_rank_refused() -> None:
     assert refused_exit_code({0: -15, 1: 2}) == CONFIG_ERROR  # rank 0 stopped by the agent after 1 refused
     assert refused_exit_code({0: 2, 1: 1}) is None  # a crash next to a refusal: torch reports it
     assert refused_exit_code({0: -9}) is None and refused_exit_code({}) is None
+    # rank 0 alone could not have its servers, and rank 1 followed it (issue #36 item 7)
+    assert refused_exit_code({0: SERVERS_UNAVAILABLE, 1: SERVERS_UNAVAILABLE}) == SERVERS_UNAVAILABLE
+    assert refused_exit_code({0: SERVERS_UNAVAILABLE, 1: -15}) == SERVERS_UNAVAILABLE
+    assert refused_exit_code({0: SERVERS_UNAVAILABLE, 1: 1}) is None  # rank 1's own crash: reported
+    assert refused_exit_code({0: SERVERS_UNAVAILABLE, 1: CONFIG_ERROR}) is None  # two stories: torch's
+
+
+def _held_port(tmp: Path, stack: contextlib.ExitStack) -> list[str]:
+    """``rollout.base_port`` on a port another process (this test) listens on."""
+    sock = stack.enter_context(socket.socket())
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return [f"rollout.base_port={sock.getsockname()[1]}"]
+
+
+def _refused_url(tmp: Path, stack: contextlib.ExitStack) -> list[str]:
+    """``rollout.server_urls`` naming a port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [f"rollout.server_urls=[http://127.0.0.1:{port}]", "rollout.api_key_env=ACRL_TEST_KEY"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [
+        (_held_port, "rollout.base_port: port"),
+        (_refused_url, "no server listens there"),
+    ],
+    ids=["port_held", "server_url_refused"],
+)
+def test_the_launcher_passes_on_rank_0s_code_when_rank_0_alone_refuses_after_start_up(
+    setup: Callable[[Path, contextlib.ExitStack], list[str]], words: str, tmp_path: Path
+) -> None:
+    """Issue #36 item 7: only rank 0 starts or reaches the servers, so only rank 0 refuses a held
+    port or an unreachable URL, after the world started. Rank 1 used to die in its next collective
+    with a raw gloo traceback (exit 1, and the launcher's ChildFailedError); now it prints one line
+    pointing at rank 0's message and exits with rank 0's code, which the launcher passes on."""
+    with contextlib.ExitStack() as stack:
+        cmd = [
+            sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2",
+            "-m", "megatron_acrl.train", "--config", BASE, "parallel.tp=2", "logging.wandb_mode=disabled",
+            *setup(tmp_path, stack), "--run-dir", str(tmp_path / "r"),
+        ]  # fmt: skip
+        env = {**os.environ, "ACRL_TEST_KEY": "a-test-key-0123456789", "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == SERVERS_UNAVAILABLE, out.stderr[-4000:]
+    assert words in out.stderr, out.stderr[-4000:]
+    assert f"rank 1: stopped because rank 0 refused the run (exit {SERVERS_UNAVAILABLE})" in out.stderr
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr, out.stderr[-4000:]
+    assert "Connection closed by peer" not in out.stderr, out.stderr[-4000:]  # gloo's raw error
 
 
 @pytest.mark.parametrize(

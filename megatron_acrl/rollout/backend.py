@@ -40,6 +40,10 @@ class RolloutBackend(Protocol):
 
     restarts: int
     """Server restarts so far: the engine resubmits its lost requests once this moves."""
+    hung_restarts: int
+    """Servers killed and replaced because they hung (in a rollout or a weight sync)."""
+    router_restarts: int
+    """Times a dead router was started again."""
 
     def sampling_params(self, *, greedy: bool = False, seed: int | None = None) -> SamplingParams:
         """The run's sampling (``rollout.*``), or greedy decoding (evaluation)."""
@@ -88,6 +92,12 @@ class RolloutBackend(Protocol):
 
     def restart(self) -> None:
         """Restart the dead servers (or a dead router); the served weights must be re-sent."""
+        ...
+
+    def recover_rollout(self, error: BaseException) -> str | None:
+        """After a rollout failed with ``error``: restart a dead server, kill and replace a hung one,
+        restart a dead router; returns what was done (the served weights must then be re-sent), or
+        None when nothing is found wrong (the error is the request's own: fatal)."""
         ...
 
     def load_metrics(self) -> dict[str, float]:

@@ -10,12 +10,14 @@ trainer's thread takes a step's batch (:meth:`GenerationEngine.wait_batch`). Req
 across weight updates: the synchronizer pauses the servers (``rollout.pause_mode``), loads the new
 weights and continues, and SGLang records which output tokens each version produced.
 
-Faults: a request that fails because its server is gone is kept; the engine stops admitting and
-sending until the trainer's thread has restarted the server and re-sent the served weights
-(:meth:`restored`), then resubmits exactly the samples that were lost, so nothing is lost and no
-group is trained twice. A sample the servers abort (``pause_mode: abort``) is generated again from
-scratch on the new weights. Anything else (a bad answer, a prompt too long) is fatal and raised in
-the trainer's thread.
+Faults: a request that fails is kept, and the engine stops admitting and sending; the trainer's
+thread finds what failed (a dead or hung server, a dead router:
+:meth:`~megatron_acrl.rollout.backend.RolloutBackend.recover_rollout`, :attr:`failed_with` is the
+first error), repairs it and re-sends the served weights (:meth:`restored`), then the engine
+resubmits exactly the samples that were lost, so nothing is lost and no group is trained twice;
+when nothing is found wrong the error is fatal there (a bad answer, a prompt too long). A sample
+the servers abort (``pause_mode: abort``) is generated again from scratch on the new weights. A
+failure to score is fatal and raised in the trainer's thread.
 
 Shared state is guarded by one condition variable; the loop thread never awaits while holding it.
 The thread runs on ``rollout.producer_cpus`` when given (set on it alone, before it does any work),
@@ -37,7 +39,6 @@ from megatron_acrl.rollout.backend import RolloutBackend, Sample
 from megatron_acrl.rollout.group_queue import GroupQueue
 from megatron_acrl.rollout.phase import encode_prompts, score_groups, shape_rewards
 from megatron_acrl.tasks.base import Prompt
-from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
     from megatron_acrl.run.context import RunContext
@@ -106,7 +107,9 @@ class GenerationEngine:
         self.paused = False
         self.error: BaseException | None = None
         self.failure: str | None = None
-        """Why requests failed on a server that is gone; cleared by :meth:`restored`."""
+        """Why requests failed; cleared by :meth:`restored`."""
+        self.failed_with: BaseException | None = None
+        """The error of :attr:`failure`, for the trainer's thread to diagnose."""
         self.restarts_seen = self.servers.restarts
         self.lost: list[Slot] = []  # failed with their server: resubmitted after the restart
         self.aborted: list[Slot] = []  # aborted by the servers: generated again
@@ -134,7 +137,8 @@ class GenerationEngine:
 
     def wait_batch(self, step: int) -> tuple[str, Any]:
         """Block until step ``step``'s groups are ready: ``("ok", TakeResult)``, or ``("failed", why)``
-        when a server is gone and must be restarted. A fatal error of the engine is raised here."""
+        when requests failed (:attr:`failed_with` says with what; the caller repairs the servers, or
+        finds the error fatal). A fatal error of the engine is raised here."""
         with self.cond:
             while True:
                 if self.error is not None:
@@ -226,7 +230,7 @@ class GenerationEngine:
 
     def _restored_locked(self) -> None:
         self.restarts_seen = self.servers.restarts
-        self.failure = None
+        self.failure = self.failed_with = None
         self._poke()
 
     def _busy(self) -> bool:
@@ -337,13 +341,14 @@ class GenerationEngine:
                 self.cond.notify_all()
 
     def _failed(self, chunk: list[Slot], e: Exception) -> None:
+        """A request failed: keep its samples for after the repair; the trainer's thread decides
+        (module doc) whether anything is to repair, from the first error (a hung server shows as a
+        timeout, or through the router as an HTTP error, with no process dead)."""
         with self.cond:
-            if isinstance(e, ServerGoneError | TimeoutError) or self.servers.dead_servers():
-                self.lost += chunk
-                if self.failure is None:
-                    self.failure = f"{type(e).__name__}: {e}"
-            else:
-                self.error = e
+            self.lost += chunk
+            if self.failure is None:
+                self.failure = f"{type(e).__name__}: {e}"
+                self.failed_with = e
             self.cond.notify_all()
 
     def _place(self, slot: Slot, sample: Sample) -> None:

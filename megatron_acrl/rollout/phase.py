@@ -4,7 +4,8 @@ Rank 0 draws prompts, generates through :class:`megatron_acrl.servers.handle.Rol
 scores and packs them into a :class:`megatron_acrl.batch.rollout_batch.RolloutBatch` (or replays a
 recorded one, ``--load-rollouts``), and :func:`collect_rollouts` broadcasts it to every rank. DAPO
 dynamic sampling drops groups whose rewards are all equal and refills them with fresh prompts. A server
-that dies mid-rollout is restarted and the step retried with the same prompts.
+that dies or hangs mid-rollout, or a router that dies, is restarted (a hung server killed first) and
+the step retried with the same prompts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from megatron_acrl.run.context import prompt_stream
 from megatron_acrl.tasks.base import Prompt, Task
 from megatron_acrl.world.distributed import log0
 from megatron_acrl.world.vote import ERROR, NO_VERDICT, OK, RETRY, STOPPED, Verdict, vote
-from sglang_bridge.client import ServerGoneError
 
 if TYPE_CHECKING:
     from megatron_acrl.rollout.backend import RolloutBackend
@@ -215,26 +215,32 @@ def _rank0_rollouts(ctx: RunContext, state: DriverState, step: int) -> tuple[Rol
 
 def _attempt(ctx: RunContext, state: DriverState, step: int, last: bool) -> Verdict:
     """Rank 0: one try at the step's rollouts, as ``(OK, (batch, metrics))``, ``(RETRY, why)``
-    after a server died (restarted, the prompts of the try given back), ``(STOPPED, why)`` when it
-    failed after a stop was asked (:attr:`RunContext.stopping`; the prompts given back, nothing
-    restarted), or ``(ERROR, why)`` (:mod:`megatron_acrl.world.vote`)."""
+    after a server failed and was repaired (a dead one restarted, a hung one killed and replaced, a
+    dead router started again: :meth:`~megatron_acrl.servers.recovery.ServerRecovery.recover_rollout`;
+    the prompts of the try given back), ``(STOPPED, why)`` when it failed after a stop was asked
+    (:attr:`RunContext.stopping`; the prompts given back, nothing restarted), or ``(ERROR, why)``
+    when no server failed (the request's own fault) or on the last try
+    (:mod:`megatron_acrl.world.vote`)."""
     consumed = state.prompts_consumed
     try:
         return OK, _rank0_rollouts(ctx, state, step)
     except Exception as e:  # noqa: BLE001 - decided here, then told to every rank
         why = f"{type(e).__name__}: {e}"
-        gone = isinstance(e, ServerGoneError) or (ctx.servers is not None and ctx.servers.dead_servers())
         stopped = ctx.stopping()
-        if not stopped and (not gone or last):
-            return ERROR, why
+        if not stopped:
+            if last or ctx.servers is None:
+                return ERROR, why
+            try:
+                done = ctx.servers.recover_rollout(e)
+            except Exception as r:  # noqa: BLE001 - a repair that failed ends the run on every rank
+                return ERROR, f"{why}; the repair failed: {type(r).__name__}: {r}"
+            if done is None:
+                return ERROR, why
+            why = f"{why}; {done}"
         # the prompts of the try go back: a retry, or the resume, samples them again
         state.prompts_consumed = consumed
         ctx.prompt_stream = prompt_stream(ctx.task, ctx.cfg.training.seed, consumed)
-        if stopped:
-            return STOPPED, why
-        assert ctx.servers is not None
-        ctx.servers.restart()
-        return RETRY, why
+        return (STOPPED if stopped else RETRY), why
 
 
 def collect_rollouts(
@@ -250,7 +256,7 @@ def collect_rollouts(
     """
 
     def retry(attempt: int, why: str) -> None:
-        log0(f"step {step + 1}: rollout server failed ({why}); restarted, re-sending weights and retrying")
+        log0(f"step {step + 1}: rollout failed ({why}); re-sending the served weights and retrying")
         restore()
 
     batch, metrics = vote(
@@ -261,9 +267,22 @@ def collect_rollouts(
         stopped=lambda why: stopped_message(step, why),
     )
     metrics.update(rollout_metrics(batch))
-    if ctx.servers is not None:
-        metrics["rollout/server_restarts"] = float(ctx.servers.restarts)
+    metrics.update(recovery_metrics(ctx))
     return batch, metrics
+
+
+def recovery_metrics(ctx: RunContext) -> dict[str, float]:
+    """Rank 0's repairs of the run so far: ``rollout/server_restarts`` (every restart),
+    ``rollout/hung_restarts`` (servers killed and replaced because they hung, in a rollout or a
+    weight sync), ``rollout/router_restarts`` (a dead sglang-router started again)."""
+    s = ctx.servers
+    if s is None:
+        return {}
+    return {
+        "rollout/server_restarts": float(s.restarts),
+        "rollout/hung_restarts": float(s.hung_restarts),
+        "rollout/router_restarts": float(s.router_restarts),
+    }
 
 
 def stopped_message(step: int, why: str) -> str:

@@ -30,7 +30,13 @@ from megatron_acrl.batch.staleness import format_version
 from megatron_acrl.rollout.engine import GenerationEngine, PromptSource
 from megatron_acrl.rollout.evaluate import evaluate, evaluate_exact, exact_due
 from megatron_acrl.rollout.group_queue import GroupQueue
-from megatron_acrl.rollout.phase import ATTEMPTS, collect_rollouts, rollout_metrics, stopped_message
+from megatron_acrl.rollout.phase import (
+    ATTEMPTS,
+    collect_rollouts,
+    recovery_metrics,
+    rollout_metrics,
+    stopped_message,
+)
 from megatron_acrl.run.resume import DriverState, save_checkpoint
 from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.tasks.base import Prompt
@@ -136,46 +142,60 @@ class AsyncProducer(Producer):
         self._busy = self.engine.busy_seconds()
 
     def next_batch(self, state: DriverState, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """Step ``step``'s batch; a server found gone is restarted, the served weights re-sent, its
-        lost requests resubmitted, and the wait goes on (up to ``ATTEMPTS`` restarts a step)."""
+        """Step ``step``'s batch; a server found dead or hung, or a dead router, is repaired, the
+        served weights re-sent, the lost requests resubmitted, and the wait goes on (up to
+        ``ATTEMPTS`` repairs a step)."""
         batch, metrics = vote(
-            lambda attempt: self._take(step) if self.engine is not None else NO_VERDICT,
+            lambda attempt: self._take(step, attempt == ATTEMPTS) if self.engine is not None else NO_VERDICT,
             attempts=ATTEMPTS + 1,
             recover=lambda attempt, why: self._restart(step, why),
             failed=lambda why, exhausted: f"rollout of step {step + 1} failed: {why}",
             stopped=lambda why: stopped_message(step, why),
         )
         metrics.update(rollout_metrics(batch))
-        if self.ctx.servers is not None:
-            metrics["rollout/server_restarts"] = float(self.ctx.servers.restarts)
+        metrics.update(recovery_metrics(self.ctx))
         return batch, metrics
 
     def _restart(self, step: int, why: str) -> None:
-        """Every rank, after the engine lost a server: rank 0 restarts it, every rank re-sends the
+        """Every rank, after rank 0 repaired the servers (:meth:`_take`): every rank re-sends the
         served weights, and the engine resubmits what was lost."""
-        log0(f"step {step + 1}: rollout server failed ({why}); restarting it, resubmitting requests")
-        if self.ctx.servers is not None:
-            self.ctx.servers.restart()
+        log0(f"step {step + 1}: rollout failed ({why}); re-sending the served weights, resubmitting requests")
         self.publisher.restore()  # every rank: the restarted server gets the served weights
         if self.engine is not None:
             self.engine.restored()
 
-    def _take(self, step: int) -> Verdict:
-        """Rank 0: wait for the engine: ``(OK, (batch, metrics))``, ``(RETRY | ERROR, why)``, or
-        ``(STOPPED, why)`` when it failed after a stop was asked (:mod:`megatron_acrl.world.vote`)."""
+    def _take(self, step: int, last: bool) -> Verdict:
+        """Rank 0: wait for the engine: ``(OK, (batch, metrics))``; after failed requests, ``(RETRY,
+        why)`` once the servers are repaired, ``(ERROR, why)`` when nothing was found to repair (or
+        on the ``last`` try), or ``(STOPPED, why)`` when a stop was asked
+        (:mod:`megatron_acrl.world.vote`)."""
         assert self.engine is not None
         try:
             kind, taken = self.engine.wait_batch(step)
         except Exception as e:  # noqa: BLE001 - told to every rank, then raised
             return (STOPPED if self.ctx.stopping() else ERROR), f"{type(e).__name__}: {e}"
         if kind == "failed":
-            return (STOPPED if self.ctx.stopping() else RETRY), taken
+            return self._repair(taken, last)
         batch = RolloutBatch.concat([g.batch for g in taken.groups], self.ctx.pad_id)  # type: ignore[misc]
         if self.ctx.args.save_rollouts:
             save_rollouts(batch, self.ctx.args.save_rollouts, step)
         metrics = self.engine.stats()
         metrics["rollout/topped_up_groups"] = float(taken.topped_up)
         return OK, (batch, metrics)
+
+    def _repair(self, why: str, last: bool) -> Verdict:
+        """Rank 0, after the engine's requests failed with ``why``: the verdict, with the servers
+        repaired before a RETRY (:meth:`~megatron_acrl.servers.recovery.ServerRecovery.recover_rollout`)."""
+        assert self.engine is not None
+        if self.ctx.stopping():
+            return STOPPED, why
+        if last or self.ctx.servers is None or self.engine.failed_with is None:
+            return ERROR, why
+        try:
+            done = self.ctx.servers.recover_rollout(self.engine.failed_with)
+        except Exception as e:  # noqa: BLE001 - a repair that failed ends the run on every rank
+            return ERROR, f"{why}; the repair failed: {type(e).__name__}: {e}"
+        return (ERROR, why) if done is None else (RETRY, f"{why}; {done}")
 
     def publish(self, version: int) -> dict[str, float]:
         """Push the update while the requests in flight pause (or, without partial rollouts, after

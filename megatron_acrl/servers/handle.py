@@ -293,14 +293,6 @@ class RolloutServers(ServerRecovery):
         self._routed = set(self.urls)
         return router
 
-    def _restart_router(self) -> None:
-        """A fresh router in front of every server (their weights are current: after a sync, or a
-        router that died while the servers lived)."""
-        assert self.router is not None
-        log.warning("sglang-router exited; starting a new one. Its log: %s", self.router.log_tail(10))
-        self.router.stop()
-        self.router = self._start_router()
-
     def _connect(self) -> None:
         r = self.cfg.rollout
         self.synchronizer = DistributedWeightSynchronizer(

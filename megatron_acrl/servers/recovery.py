@@ -1,5 +1,5 @@
 """What rank 0 does when its rollout servers fail: restart dead ones, kill and replace hung ones,
-reconnect the update group (:class:`ServerRecovery`, the failure half of
+restart a dead router, reconnect the update group (:class:`ServerRecovery`, the failure half of
 :class:`megatron_acrl.servers.handle.RolloutServers`).
 
 A failed weight sync names what it calls for (:func:`megatron_acrl.servers.transfer.recovery`), and
@@ -16,20 +16,30 @@ A failed weight sync names what it calls for (:func:`megatron_acrl.servers.trans
   HTTP front end looks like that) restarts every local server. Each killed server is counted
   (``sync/hung_restarts``) and logged with its pid;
 * a failed source or a broken group (:data:`RECONNECT`): a new synchronizer on the same servers.
+
+A failed rollout (sync mode's fan-out, the async engine's requests) is diagnosed the same way by
+:meth:`ServerRecovery.recover_rollout`, whatever the error it surfaced as (a lost connection, a
+request timeout, or the router's HTTP error for a worker that stopped answering): a dead server is
+restarted, a hung one (stopped, or silent to health requests) killed and replaced and counted in
+``hung_restarts`` (logged "is hung during a rollout"), a dead sglang-router started again on its
+port with the same workers (``router_restarts``). Only when nothing is found wrong is the error the
+request's own, and fatal; the driver re-sends the served weights and retries the rollout
+(:func:`megatron_acrl.rollout.phase.collect_rollouts`, :class:`megatron_acrl.rollout.producer.AsyncProducer`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.config import Config
 from megatron_acrl.servers.transfer import HUNG, RESTART
 from sglang_bridge.client import ServerGoneError
+from sglang_bridge.router import RouterError, SGLangRouter
 from sglang_bridge.server import SGLangServer, probe
 
 if TYPE_CHECKING:
-    from sglang_bridge.router import SGLangRouter
     from sglang_bridge.weight_sync import DistributedWeightSynchronizer
 
 log = logging.getLogger(__name__)
@@ -50,6 +60,9 @@ class ServerRecovery:
     synchronizer: DistributedWeightSynchronizer | None
     restarts: int
     hung_restarts: int
+    router_restarts: int = 0
+    """Times a dead sglang-router was started again (``rollout/router_restarts``); a class default
+    so that the handle's constructor need not know it."""
     _routed: set[str]
     _load: Any
 
@@ -61,9 +74,6 @@ class ServerRecovery:
         raise NotImplementedError
 
     def _connect(self) -> None:
-        raise NotImplementedError
-
-    def _restart_router(self) -> None:
         raise NotImplementedError
 
     def dead_servers(self) -> list[int]:
@@ -114,20 +124,70 @@ class ServerRecovery:
         if not hung:
             again = "a weight sync timed out again with every server answering"
             hung = dict.fromkeys(range(len(self.servers)), again)
+        self._kill_hung(hung, "during a weight sync")
+        return sorted(hung)
+
+    def _kill_hung(self, hung: dict[int, str], during: str) -> None:
+        """Kill the process tree of each hung local server in ``hung`` (index -> why), log it with
+        its pid, count it, and start fresh ones (a new synchronizer: the weights must be re-sent)."""
         for i, why in hung.items():
             s = self.servers[i]
             log.warning(
-                "rollout server %s (pid %s, %s) is hung during a weight sync: %s; killing its process "
-                "tree (SIGKILL) and starting a fresh one",
+                "rollout server %s (pid %s, %s) is hung %s: %s; killing its process tree (SIGKILL) "
+                "and starting a fresh one",
                 s.name,
                 s.pid,
                 s.url,
+                during,
                 why,
             )
-            s.stop(grace_s=0.0)
+            s.stop(grace_s=0.0)  # SIGKILL at once: a stopped process never acts on SIGTERM
         self.hung_restarts += len(hung)
         self.restart()  # the killed ones are dead now: fresh servers, a new synchronizer
-        return sorted(hung)
+
+    def recover_rollout(self, error: BaseException) -> str | None:
+        """Rank 0, after a rollout failed with ``error``: find what failed and repair it (module
+        doc); the served weights must then be re-sent. Returns what was done, for the log, or None
+        when every server and the router are found well and ``error`` is no lost connection or
+        timeout: the request's own fault, which a retry would repeat."""
+        if dead := self.dead_servers():
+            names = ", ".join(self.servers[i].name for i in dead)
+            self.restart()
+            return f"server(s) {names} exited; restarted"
+        if hung := self.hung_servers():
+            self._kill_hung(hung, "during a rollout")
+            names = "; ".join(f"{self.servers[i].name}: {why}" for i, why in hung.items())
+            return f"server(s) hung ({names}); killed and replaced"
+        if self.router is not None and not self.router.alive():
+            self._restart_router()
+            self.restarts += 1  # the async engine resubmits once the restart count moves
+            return f"sglang-router exited; restarted on {self.router.url} with the same workers"
+        if isinstance(error, ServerGoneError | TimeoutError) and self.servers:
+            # Unreachable, or silent, with every process running and answering health requests now
+            # (a scheduler deadlocked behind a live HTTP front end looks like this): start afresh.
+            self.restart()
+            return "no server found dead or hung; restarted every server"
+        return None
+
+    def _restart_router(self) -> None:
+        """A fresh router in front of every server, on the dead one's port (its workers' weights are
+        current: after a sync, or a router that died while the servers lived); on a fresh port only
+        when that one is taken meanwhile."""
+        old = self.router
+        assert old is not None
+        tail = old.log_tail(10)
+        log.warning("sglang-router (%s) exited; starting a new one on its port. Its log: %s", old.url, tail)
+        old.stop(grace_s=0.0)
+        spec = replace(old.spec, worker_urls=tuple(self.urls), port=old.port)
+        try:
+            router = SGLangRouter(spec, old.log_path, startup_timeout_s=old.startup_timeout_s).start()
+        except RouterError as e:
+            log.warning("sglang-router could not bind port %s again (%s); using a free one", old.port, e)
+            spec = replace(spec, port=None)
+            router = SGLangRouter(spec, old.log_path, startup_timeout_s=old.startup_timeout_s).start()
+        self.router = router
+        self._routed = set(self.urls)
+        self.router_restarts += 1
 
     def restart(self) -> None:
         """Restart dead local servers and reconnect the update group (weights must be re-sent); a

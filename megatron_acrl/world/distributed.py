@@ -4,10 +4,18 @@
 on GPU; its store listens on ``MASTER_ADDR`` only) and Megatron's TP / PP / EP / DP groups;
 :func:`log0` prints on the driver rank, :func:`broadcast_object` sends rank 0's Python object to
 every rank, and :func:`any_rank` makes one rank's flag every rank's (the stop signal).
+
+A refusal of rank 0 alone after start-up (its server port held by another process, an unreachable
+``rollout.server_urls`` entry: only rank 0 starts or reaches the servers) is shared, not left to
+break the others' next collective with a raw gloo traceback: rank 0 writes its exit code into the
+world's store and tears its process groups down (:func:`share_refusal`), so every other rank's
+pending collective fails at once; each reads the code (:func:`rank0_refusal`), prints one line that
+points at rank 0's message and exits with the same code, which ``launch.torchrun`` passes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -42,6 +50,69 @@ def any_rank(flag: bool) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return bool(box.item() > 0)
+
+
+REFUSED_KEY = "acrl/rank0_refused"
+"""The store key rank 0's exit code is written under when it refuses alone (module doc)."""
+
+READ_KEY = "acrl/refusal_read/"
+"""+ rank: that rank read rank 0's refusal (rank 0 waits for these before it exits: its store may
+be the world's, and would go with it)."""
+
+REFUSAL_READ_S = 10.0
+"""How long rank 0 waits for the other ranks to read its refusal (one busy elsewhere reads it later
+from the launcher's store, which outlives rank 0 under torchrun)."""
+
+
+def _world_store() -> Any | None:
+    """The default group's store, or None outside a multi-rank world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def share_refusal(code: int, wait_s: float = REFUSAL_READ_S) -> int:
+    """Rank 0, refusing the run (its message printed) with exit ``code`` after the world started:
+    tell the other ranks (module doc) and return ``code``. Another rank refusing too (a bad layout,
+    which every rank finds) only marks rank 0's news as read: it exits with its own message. Never
+    raises: it runs on the way out."""
+    store = _world_store()
+    if store is None:
+        return code
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        if rank != 0:
+            store.set(f"{READ_KEY}{rank}", "1")
+            return code
+        store.set(REFUSED_KEY, str(code))
+        dist.destroy_process_group()  # every rank's pending collective with this one fails now
+        store.wait([f"{READ_KEY}{r}" for r in range(1, world)], datetime.timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 - a rank that never reads it falls back to its own traceback
+        pass
+    return code
+
+
+def rank0_refusal() -> int | None:
+    """On a rank other than 0 whose run failed: rank 0's exit code when rank 0 refused the run
+    (:func:`share_refusal`; one line printed saying so), else None (a failure of its own: raise it)."""
+    try:
+        store = _world_store()
+        if store is None or dist.get_rank() == 0 or not store.check([REFUSED_KEY]):
+            return None
+        code, rank = int(store.get(REFUSED_KEY)), dist.get_rank()
+    except Exception:  # noqa: BLE001 - no store to ask (rank 0 hosted it): the failure stands
+        return None
+    # Printed before rank 0 is told it was read: once rank 0 exits, the launcher stops this rank.
+    print(
+        f"rank {rank}: stopped because rank 0 refused the run (exit {code}); see rank 0's message above",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(Exception):
+        store.set(f"{READ_KEY}{rank}", "1")
+    return code
 
 
 def _default_store(env: os._Environ[str], timeout: datetime.timedelta) -> dict[str, Any]:
