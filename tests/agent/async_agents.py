@@ -84,12 +84,12 @@ class HeldTurns(FakeBackend):
             self.waiting += held
             try:
                 while (j >= after and self._holding()) or not self._running.is_set():
-                    if self._abort_epoch != epoch:
-                        self.aborted += 1
-                        return self._make(prompt, out, versions, "abort")
                     await asyncio.sleep(0.001)
             finally:
                 self.waiting -= held
+            if self._abort_epoch != epoch:  # an abort pause came while it waited (or just before)
+                self.aborted += 1
+                return self._make(prompt, out, versions, "abort")
             out.append(tok)
             versions.append(self.version)
         return self._make(prompt, out, versions, "stop" if out[-1] == EOS else "length")

@@ -34,7 +34,7 @@ from megatron_acrl.batch.rollout_batch import build_batch
 from megatron_acrl.config import load_config
 from megatron_acrl.rollout.agent.loop import run_trajectory
 from megatron_acrl.rollout.agent.session import AgentSession, Trajectory
-from megatron_acrl.rollout.trajectories import _TextTokenizer, agent_template, trajectory_versions
+from megatron_acrl.rollout.trajectories import _TextTokenizer, agent_template
 from megatron_acrl.tasks.base import Prompt
 from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.client import SamplingParams, SGLangClient
@@ -117,7 +117,7 @@ def rollout(moe_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         group_ids=[i // 2 for i in range(len(trajs))],
         pad_id=int(hf_tok.pad_token_id or 0),
         routed_experts=[t.routed_experts for t in trajs],
-        token_versions=[trajectory_versions(t) for t in trajs],
+        # no token_versions: this server never received weights (its version is "default")
         generated=[t.generated for t in trajs],
         turn_ids=[t.turn_ids for t in trajs],
     )
