@@ -1,9 +1,11 @@
 """Async agent RL end to end: a real Megatron trainer, a real SGLang CPU server, multi-turn trajectories.
 
 One runner process (``tests/agent/agent_async_runner.py``) trains the tiny dense model asynchronously
-(K = 2) on three-turn trajectories (``tests.agent.async_agents:three_turns``: the untrained model
-answers anything, the agent asks "Again." twice), for 4 steps: SIGTERMed during its 2nd optimizer
-step, then resumed to 4 in the same run directory. Every pushed weight set is recorded; at the end
+(K = 1) on three-turn trajectories (``tests.agent.async_agents:three_turns``: the untrained model
+answers anything, the agent asks "Again." twice), for 5 steps: SIGTERMed during its 4th optimizer
+step, then resumed to 5 in the same run directory. On this CPU a step trains in seconds and its
+trajectories take a minute, so the groups admitted after each push are still in their first turns at
+the next push: those of steps 3 and 4 span two versions. Every pushed weight set is recorded; at the end
 the server scores every trained trajectory again, teacher-forced, under the weights each generated
 token's version names (and under the next version's). The entropy bonus moves the weights every
 step, so versions really differ, and trajectories that live across a push span two versions.
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.timeout(2400)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")
-STEPS, K, GROUPS, N = 4, 2, 4, 4
+STEPS, K, GROUPS, N = 5, 1, 4, 4
 BASE = [
     "training.sft_steps=0",
     "task.num_digits=1",
@@ -77,7 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "config": CONFIG,
                 "overrides": overrides,
                 "args": args,
-                "hooks": {**record, "sigterm_at_train_step": 2},
+                "hooks": {**record, "sigterm_at_train_step": 4},
             },
             {
                 "config": CONFIG,
