@@ -9,6 +9,11 @@
   that version v sampled, under v's weights and under the next version's. Also how many rows span
   versions, between turns and inside one (``"spans"``).
 
+* ``push_mid_trajectory: t`` -- from a run's second optimizer step on, the step first waits (at
+  most ``t`` seconds) until some trajectory has finished one or two of its three turns, so that the
+  push after it lands in the middle of trajectories (on this CPU the tiny model trains in a fraction
+  of a second, and a step's groups tend to finish together, so an untimed push rarely does).
+
 Every hook of ``tests/async_runner.py`` works as there (``sigterm_at_train_step``,
 ``record_weights``, ...).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the runners' helper modules
@@ -88,11 +94,40 @@ def _score_turns(ctx, spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps(out, indent=1))
 
 
+def _push_mid_trajectory(ctx, limit_s: float) -> None:
+    """The ``push_mid_trajectory`` hook (module doc): turns finished per trajectory (affinity key)
+    are counted as the servers answer them."""
+    done: dict[str, int] = {}
+    generate = ctx.servers.generate_async
+
+    def counting(prompts, params, *, affinity=None):
+        sent = generate(prompts, params, affinity=affinity)
+        if affinity is not None:
+            sent.add_done_callback(lambda _f: done.__setitem__(affinity, done.get(affinity, 0) + 1))
+        return sent
+
+    ctx.servers.generate_async = counting
+    train_step, count = ctx.policy.train_step, {"n": 0}
+
+    def waiting(batch):
+        count["n"] += 1
+        deadline = time.monotonic() + limit_s
+        while count["n"] > 1 and time.monotonic() < deadline and not {1, 2} & set(done.values()):
+            time.sleep(0.02)
+        return train_step(batch)
+
+    ctx.policy.train_step = waiting
+
+
 def prepare_for(hooks: dict):
-    base = async_runner.prepare_for({k: v for k, v in hooks.items() if k != "score_turns"})
+    base = async_runner.prepare_for(
+        {k: v for k, v in hooks.items() if k not in ("score_turns", "push_mid_trajectory")}
+    )
 
     def prepare(ctx) -> None:
         base(ctx)
+        if "push_mid_trajectory" in hooks:
+            _push_mid_trajectory(ctx, float(hooks["push_mid_trajectory"]))
         if "score_turns" in hooks and ctx.servers is not None:
             close = ctx.close
 
