@@ -427,13 +427,6 @@ class RolloutConfig(_Section):
         if self.mode == "async":
             _check(
                 e,
-                self.agent.agent is None and self.agent.env is None,
-                "mode",
-                "agent rollouts (rollout.agent.agent / .env) run in sync mode only for now (issue #33: the "
-                "async engine is single-turn); set rollout.mode=sync",
-            )
-            _check(
-                e,
                 self.backend != "replay",
                 "mode",
                 "async generates on live SGLang servers while training; a replay of recorded rollouts "

@@ -19,6 +19,18 @@ when nothing is found wrong the error is fatal there (a bad answer, a prompt too
 the servers abort (``pause_mode: abort``) is generated again from scratch on the new weights. A
 failure to score is fatal and raised in the trainer's thread.
 
+Agents (``rollout.agent``): each sample is a trajectory that the engine's loop runs as a task of its
+own (:class:`~megatron_acrl.rollout.trajectories.AgentRunner`), its turns sent through a
+:class:`TurnGate`. A trajectory may span weight versions: an update between two turns (a tool call
+in flight meanwhile) or inside one (the turn paused and continued) is recorded per generated token.
+Each turn waits while the engine holds (an evaluation, a draining update, a lost server), and is sent
+and counted in flight under the engine's lock, so a hold never misses a turn about to go. The
+staleness bound holds per generated token: the queue computes a group's oldest version from its
+tokens, and a trajectory whose oldest generated token can no longer be trained within
+``rollout.max_staleness`` (``stale_policy: drop``) is stopped at its next turn and generated again
+from scratch (``async/regenerated_trajectories``). A trajectory lost with its server is generated
+again from its prompt; an aborted turn is sent again by its session.
+
 Shared state is guarded by one condition variable; the loop thread never awaits while holding it.
 The thread runs on ``rollout.producer_cpus`` when given (set on it alone, before it does any work),
 so that its CPU work does not take the trainer's cores.
@@ -30,21 +42,27 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from megatron_acrl.algo.advantages import dynamic_sampling_keep
 from megatron_acrl.config import ConfigError
+from megatron_acrl.rollout.agent.session import AgentSession, Trajectory, TrajectoryEnd
 from megatron_acrl.rollout.backend import RolloutBackend, Sample
 from megatron_acrl.rollout.group_queue import GroupQueue
 from megatron_acrl.rollout.phase import encode_prompts, score_groups, shape_rewards
+from megatron_acrl.rollout.trajectories import AgentRunner, trajectories_batch, trajectory_versions
 from megatron_acrl.tasks.base import Prompt
+from sglang_bridge.samples import SamplingParams
 
 if TYPE_CHECKING:
     from megatron_acrl.run.context import RunContext
 
 MAX_ABORTS = 10
 """A sample the servers abort this often in a row is an error, not a weight update."""
+
+GATE_POLL_S = 0.01
+"""How often a turn waiting for a hold to end looks again."""
 
 Slot = tuple[int, int]  # (group id, sample index)
 
@@ -92,6 +110,21 @@ class BusyClock:
         return [t + (now - s if s is not None else 0.0) for t, s in zip(self.total, self.since, strict=True)]
 
 
+class TurnGate:
+    """The backend an async agent session sends its turns through (module doc): the engine's gate
+    in front of the servers' :meth:`~megatron_acrl.rollout.backend.RolloutBackend.generate_async`."""
+
+    def __init__(self, engine: GenerationEngine):
+        self.engine = engine
+        self.session: AgentSession | None = None
+
+    def generate_async(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, affinity: str | None = None
+    ) -> asyncio.Future[list[Sample]]:
+        assert self.session is not None
+        return asyncio.ensure_future(self.engine.send_turn(self.session, prompt_ids, params, affinity))
+
+
 class GenerationEngine:
     """Rank 0's generation thread (module doc). The trainer's thread calls the public methods."""
 
@@ -114,9 +147,16 @@ class GenerationEngine:
         self.lost: list[Slot] = []  # failed with their server: resubmitted after the restart
         self.aborted: list[Slot] = []  # aborted by the servers: generated again
         self.aborts: dict[Slot, int] = {}
-        self.samples: dict[int, list[Sample | None]] = {}
+        self.samples: dict[int, list[Any]] = {}
+        """Per live group, its finished samples (or trajectories) by index; None: not yet."""
         self.ids: dict[int, list[int]] = {}
         self.clock = BusyClock(len(self.servers.in_flight()))
+        a = self.cfg.rollout.agent
+        self.agents = AgentRunner(ctx) if a.agent is not None or a.env is not None else None
+        """Agent trajectories instead of single completions (module doc)."""
+        self.attempts: dict[Slot, int] = {}
+        self.regenerated = 0
+        """Trajectories stopped as too stale and generated again, over the run."""
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
         self._loop = asyncio.new_event_loop()
@@ -199,13 +239,15 @@ class GenerationEngine:
             }
 
     def stats(self) -> dict[str, float]:
-        """Queue depth (finished groups waiting), groups in flight, stale groups dropped so far."""
+        """Queue depth (finished groups waiting), groups in flight, stale groups dropped and stale
+        trajectories regenerated so far."""
         with self.cond:
             ready = len(self.queue.ready())
             return {
                 "async/queue_depth": float(ready),
                 "async/in_flight_groups": float(len(self.queue.live) - ready),
                 "async/dropped_stale_groups": float(self.queue.dropped_stale),
+                "async/regenerated_trajectories": float(self.regenerated),
             }
 
     def busy_seconds(self) -> list[float]:
@@ -297,7 +339,13 @@ class GenerationEngine:
                 r = self.cfg.rollout
                 for _ in range(self.queue.capacity(self.served_version)):
                     gid, prompt = self.prompts.next()
-                    self.ids[gid] = encode_prompts(self.ctx.tokenizer, [prompt], r.max_prompt_len)[0]
+                    # an agent renders its own prompt (its env's conversation): nothing to encode here
+                    ids = (
+                        encode_prompts(self.ctx.tokenizer, [prompt], r.max_prompt_len)[0]
+                        if self.agents is None
+                        else []
+                    )
+                    self.ids[gid] = ids
                     self.queue.admit(gid, prompt, self.served_version)
                     self.samples[gid] = [None] * r.n_samples_per_prompt
                     work += [(gid, j) for j in range(r.n_samples_per_prompt)]
@@ -307,6 +355,10 @@ class GenerationEngine:
             return work
 
     def _submit(self, work: list[Slot]) -> None:
+        if self.agents is not None:
+            for slot in work:
+                self._spawn(self._trajectory(slot))
+            return
         per = self.cfg.rollout.samples_per_request
         for lo in range(0, len(work), per):
             chunk = work[lo : lo + per]
@@ -315,9 +367,12 @@ class GenerationEngine:
             sent = self.servers.generate_async([self.ids[gid] for gid, _ in chunk], self.params)
             with self.cond:
                 self._tick()
-            task = asyncio.ensure_future(self._request(sent, chunk))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._request(sent, chunk))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _request(self, sent: asyncio.Future[list[Sample]], chunk: list[Slot]) -> None:
         """Wait for one batched request of ``chunk``; its samples go to their groups."""
@@ -361,27 +416,105 @@ class GenerationEngine:
                 self.aborted.append(slot)
             self._poke()
             return
+        self._keep(slot, sample)
+
+    def _keep(self, slot: Slot, result: Sample | Trajectory) -> None:
+        gid, j = slot
         self.aborts.pop(slot, None)
         slots = self.samples[gid]
-        slots[j] = sample
+        slots[j] = result
         if all(s is not None for s in slots):
             self._finish_group(gid)
+
+    # -- agent trajectories (module doc) ------------------------------------------------------------
+
+    async def _trajectory(self, slot: Slot) -> None:
+        """Run one agent trajectory of ``slot``; it goes to its group, or is generated again (lost
+        with its server, or too stale)."""
+        gid, j = slot
+        assert self.agents is not None
+        with self.cond:
+            prompt = self.queue.live[gid].prompt
+            self.attempts[slot] = attempt = self.attempts.get(slot, 0) + 1
+        gate = TurnGate(self)
+        # a fresh affinity key per attempt: a regenerated trajectory starts anew on any server
+        session = self.agents.session(f"g{gid}-s{j}-a{attempt}", backend=gate, abort_retries=MAX_ABORTS)
+        gate.session = session
+        try:
+            traj = await self.agents.run(session, prompt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - its server is gone (resubmitted after the restart) or fatal
+            self._failed([slot], e)
+            return
+        if session.stale:
+            with self.cond:
+                self.regenerated += 1
+                self.aborted.append(slot)
+            self._poke()
+            return
+        try:
+            with self.cond:
+                self.attempts.pop(slot, None)
+            self._keep(slot, traj)
+        except Exception as e:  # noqa: BLE001 - scoring failed: fatal
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    async def send_turn(
+        self,
+        session: AgentSession,
+        prompt_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        affinity: str | None,
+    ) -> list[Sample]:
+        """One turn of ``session`` (:class:`TurnGate`): wait while the engine holds, stop a trajectory
+        too stale to train, else send it, checked and counted in flight under the lock."""
+        while True:
+            with self.cond:
+                if self._too_stale(session.traj):
+                    session.stale = True
+                    raise TrajectoryEnd(
+                        "stale", "its oldest generated token is older than rollout.max_staleness"
+                    )
+                if not self.held and self.failure is None and self.error is None:
+                    sent = self.servers.generate_async(prompt_ids, params, affinity=affinity)
+                    self._tick()
+                    break
+            await asyncio.sleep(GATE_POLL_S)
+        try:
+            return await sent
+        finally:
+            with self.cond:
+                self._tick()
+                self.cond.notify_all()
+
+    def _too_stale(self, traj: Trajectory) -> bool:
+        """Whether the oldest generated token of ``traj`` is older than K at the next step that can
+        train it (never with ``stale_policy: wait``, whose admission keeps every group in time)."""
+        versions = [v for v in trajectory_versions(traj) if v >= 0]
+        return bool(versions) and self.queue.next_step - min(versions) > self.queue.max_staleness
 
     def _finish_group(self, gid: int) -> None:
         """Score a complete group (reward, DAPO shaping and filter) and hand it to the queue."""
         with self.cond:
             prompt = self.queue.live[gid].prompt
-        b = score_groups(
-            self.ctx.task,
-            self.ctx.tokenizer,
-            [prompt],
-            [self.ids[gid]],
-            [self.samples[gid]],
-            pad_id=self.ctx.pad_id,
-            eos_id=self.ctx.eos_id,
-            first_group_id=gid,
-            with_versions=True,
-        )
+        if self.agents is not None:  # rewarded by their env / agent as they ended
+            n = len(self.samples[gid])
+            b = trajectories_batch(self.ctx, self.samples[gid], [prompt.text] * n, [gid] * n)
+        else:
+            b = score_groups(
+                self.ctx.task,
+                self.ctx.tokenizer,
+                [prompt],
+                [self.ids[gid]],
+                [self.samples[gid]],
+                pad_id=self.ctx.pad_id,
+                eos_id=self.ctx.eos_id,
+                first_group_id=gid,
+                with_versions=True,
+            )
         b = shape_rewards(b, self.ctx)
         keep = True
         if self.cfg.algorithm.dynamic_sampling:

@@ -14,8 +14,10 @@ Every rank holds one and calls each method (what the servers need goes through r
 and its exact resume). :class:`AsyncProducer` (``mode: async``) takes a finished batch from rank 0's
 :class:`~megatron_acrl.rollout.engine.GenerationEngine`, which keeps the servers generating within
 ``rollout.max_staleness`` while the trainer trains; weight updates pause and continue the
-requests in flight (partial rollouts). On resume, the groups it had admitted but not trained are
-generated again, first, with the same group ids (docs/async.md).
+requests in flight (partial rollouts); with ``rollout.agent`` its samples are multi-turn agent
+trajectories, which may span versions between and inside turns (docs/agents.md). On resume, the
+groups it had admitted but not trained are generated again, first, with the same group ids
+(docs/async.md).
 """
 
 from __future__ import annotations

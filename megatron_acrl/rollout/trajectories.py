@@ -62,30 +62,48 @@ def _agent(ctx: RunContext) -> AgentFn:
     return load_agent(resolve_import_path(a.agent)) if a.agent is not None else env_agent
 
 
-async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[Trajectory]:
-    a = ctx.cfg.rollout.agent
-    assert ctx.servers is not None
-    agent = _agent(ctx)
-    tok = _TextTokenizer(ctx.tokenizer)
-    template = agent_template(ctx.tokenizer)
-    params = ctx.servers.sampling_params()
+class AgentRunner:
+    """What every trajectory of a run shares: the agent, the tokenizer and template, the sampling.
+    The sync phase makes one per step; the async engine one per run."""
 
-    async def one(sample: Prompt) -> Trajectory:
-        env = make_env(a, ctx.task) if a.env is not None else None
-        session = AgentSession(
-            ctx.servers,
-            params,
-            tok,
-            template,
+    def __init__(self, ctx: RunContext):
+        assert ctx.servers is not None
+        self.ctx = ctx
+        self.agent = _agent(ctx)
+        self.tok = _TextTokenizer(ctx.tokenizer)
+        self.template = agent_template(ctx.tokenizer)
+        self.params = ctx.servers.sampling_params()
+
+    def session(self, affinity: str, *, backend: Any = None, abort_retries: int = 0) -> AgentSession:
+        """A fresh session (and env) for one trajectory, its turns pinned by ``affinity``, sent
+        through ``backend`` (default: the run's servers)."""
+        a = self.ctx.cfg.rollout.agent
+        env = make_env(a, self.ctx.task) if a.env is not None else None
+        return AgentSession(
+            backend if backend is not None else self.ctx.servers,
+            self.params,
+            self.tok,
+            self.template,
             max_turns=a.max_turns,
             max_tokens=a.max_trajectory_tokens,
-            affinity=f"traj-{next(_TRAJECTORY_IDS)}",
+            affinity=affinity,
             env=env,
+            abort_retries=abort_retries,
         )
-        traj = await run_trajectory(agent, session, sample)
+
+    async def run(self, session: AgentSession, sample: Prompt) -> Trajectory:
+        """The agent's trajectory of ``sample`` in ``session`` (:func:`run_trajectory`)."""
+        traj = await run_trajectory(self.agent, session, sample)
         if not traj.prompt_ids:  # the agent failed before its first turn: an empty, untrained row
-            traj.prompt_ids = tok.encode(sample.text) or [ctx.pad_id]
+            traj.prompt_ids = self.tok.encode(sample.text) or [self.ctx.pad_id]
         return traj
+
+
+async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[Trajectory]:
+    runner = AgentRunner(ctx)
+
+    async def one(sample: Prompt) -> Trajectory:
+        return await runner.run(runner.session(f"traj-{next(_TRAJECTORY_IDS)}"), sample)
 
     return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
 
@@ -96,6 +114,19 @@ def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int
     ``loss_mask`` covers the generated ids only (:func:`~megatron_acrl.batch.rollout_batch.build_batch`)."""
     n = ctx.cfg.rollout.n_samples_per_prompt
     trajs = asyncio.run(_run_all(ctx, prompts, n))
+    return trajectories_batch(
+        ctx,
+        trajs,
+        [p.text for p in prompts for _ in range(n)],
+        [first_group + i // n for i in range(len(trajs))],
+    )
+
+
+def trajectories_batch(
+    ctx: RunContext, trajs: Sequence[Trajectory], prompts: Sequence[str], group_ids: Sequence[int]
+) -> RolloutBatch:
+    """Finished trajectories as batch rows (row i: ``prompts[i]``'s, group ``group_ids[i]``), with
+    per-token versions and turns, the routing (R3) and the per-row agent counts."""
     experts = [t.routed_experts for t in trajs]
     with_experts = [e is not None for e in experts]
     if any(with_experts) and not all(with_experts):
@@ -105,11 +136,11 @@ def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int
         [t.output_ids for t in trajs],
         [t.logprobs for t in trajs],
         rewards=[t.reward for t in trajs],
-        group_ids=[first_group + i // n for i in range(len(trajs))],
+        group_ids=list(group_ids),
         pad_id=ctx.pad_id,
         finish_reasons=[t.reason for t in trajs],
         weight_versions=[t.weight_version for t in trajs],
-        prompts=[p.text for p in prompts for _ in range(n)],
+        prompts=list(prompts),
         completions=[" | ".join(t.texts) for t in trajs],
         routed_experts=experts if any(with_experts) else None,
         token_versions=[trajectory_versions(t) for t in trajs],
@@ -128,6 +159,8 @@ def trajectory_row(t: Trajectory) -> dict[str, float]:
         "tool_errors": float(t.tool_errors),
         "env_s": t.env_s,
         "truncated": float(t.truncated),
+        "aborted_turns": float(t.aborted_turns),
+        "expert_prefix_recomputed": float(t.expert_prefix_recomputed),
     }
     for role in ("generated", "observation", "boundary"):
         row[f"tokens_{role}"] = float(t.kinds.count(role))
@@ -136,7 +169,8 @@ def trajectory_row(t: Trajectory) -> dict[str, float]:
 
 def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
     """``agent/*``: turns per trajectory, tool calls and errors, env seconds, the truncated
-    fraction, tokens by role (summed over the batch) and the count of each end reason."""
+    fraction, aborted turns, recomputed routing prefixes, tokens by role (summed over the batch)
+    and the count of each end reason."""
     rows = batch.agent_rows
     if not rows:
         return {}
@@ -148,6 +182,10 @@ def agent_metrics(batch: RolloutBatch) -> dict[str, float]:
         "agent/tool_errors": total["tool_errors"],
         "agent/env_s": total["env_s"],
         "agent/truncated_frac": total["truncated"] / k,
+        # async: turns aborted by a weight update and sent again; MoE: prefix positions whose routing
+        # a later turn reported differently (recomputed after a cache flush; the first record is kept)
+        "agent/aborted_turns": total["aborted_turns"],
+        "agent/r3_prefix_recomputed": total["expert_prefix_recomputed"],
     }
     for role in ("generated", "observation", "boundary"):
         out[f"agent/tokens_{role}"] = total[f"tokens_{role}"]

@@ -49,7 +49,9 @@ class DriverState:
     wandb_id: str | None = None
     producer: dict[str, Any] | None = None
     """The async producer's position: ``next_gid`` and the ``pending`` groups ([gid, text, answer,
-    uid]) admitted but not trained, which a resume generates again (:mod:`megatron_acrl.rollout.producer`)."""
+    uid]) admitted but not trained, which a resume generates again (:mod:`megatron_acrl.rollout.producer`;
+    agent groups as whole trajectories from their prompts: a trajectory in flight at the checkpoint
+    is never saved half done, docs/agents.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.weight_version, str):  # checkpoints before integer versions: "step-<v>"

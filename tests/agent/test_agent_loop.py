@@ -217,13 +217,6 @@ def test_single_turn_batches_are_unchanged_but_for_turn_zero() -> None:
     assert torch.equal(b.tensors()["turn_ids"], b.turn_ids)
 
 
-def test_async_mode_with_an_agent_is_refused_up_front() -> None:
-    from megatron_acrl.config import load_config
-
-    with pytest.raises(Exception, match="sync mode only"):
-        load_config(None, ["rollout.mode=async", "rollout.agent.env=calculator"])
-
-
 def test_dispatch_pins_an_affinity_key_to_its_first_target() -> None:
     from megatron_acrl.servers.dispatch import Dispatch
 

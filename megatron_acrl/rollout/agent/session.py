@@ -15,6 +15,21 @@ version -1, turn -1 and loss 0. Nothing generated is ever decoded and re-encoded
 
 Limits end a trajectory by raising :class:`TrajectoryEnd` from :meth:`AgentSession.generate`
 (``max_turns``, ``max_tokens``); the agent loop records the reason.
+
+In ``rollout.mode: async`` the generation engine (:mod:`megatron_acrl.rollout.engine`) runs the
+sessions through a backend of its own that holds each turn while the engine is held (an evaluation,
+a draining weight update) and marks the session :attr:`~AgentSession.stale` when its oldest
+generated token can no longer be trained within ``rollout.max_staleness``: that turn and every later
+one end the trajectory (``stale``), which the engine then generates again. A turn the servers abort
+(``pause_mode: abort``) is sent again from the same ids, its partial output dropped
+(``abort_retries`` times at most).
+
+MoE routing (R3) across turns: each turn's answer carries the routing of every position it covers
+(``[P_k + O_k - 1, layers, k]``), but a prefix the server took from its radix cache was computed by an
+earlier turn; the session keeps, for every position, the record of the turn that first computed it
+(the earlier turns' record for the prefix, this turn's for the positions it added), and counts the
+prefix positions where a later answer disagreed (a prefix recomputed after a cache flush:
+``Trajectory.expert_prefix_recomputed``).
 """
 
 from __future__ import annotations
@@ -24,6 +39,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from megatron_acrl.rollout.agent.templates import ChatTemplate, Message, Tokenizer, observation_suffix
 
@@ -47,8 +64,8 @@ class Trajectory:
     ids, final version, version segments)`` as the server reported them (the batch turns them into
     per-token versions, -1 elsewhere: :func:`megatron_acrl.rollout.phase.trajectory_versions`),
     ``turn_ids`` [O] the turn that generated it (-1 elsewhere), ``kinds`` [O] ``generated`` /
-    ``observation`` / ``boundary``. ``routed_experts`` ``[P + O - 1, layers, k]`` (the last turn's
-    routing covers every earlier position, prefix-cache hits included) or None.
+    ``observation`` / ``boundary``. ``routed_experts`` ``[P + O - 1, layers, k]``: each position's
+    routing as the turn that first computed it recorded it (module doc), or None.
     """
 
     prompt_ids: list[int] = field(default_factory=list)
@@ -68,6 +85,10 @@ class Trajectory:
     env_s: float = 0.0
     texts: list[str] = field(default_factory=list)
     """The text of each generated turn (logs only)."""
+    expert_prefix_recomputed: int = 0
+    """Prefix positions whose routing a later turn's answer reported differently (module doc)."""
+    aborted_turns: int = 0
+    """Turns the servers aborted and the session sent again."""
 
     @property
     def truncated(self) -> bool:
@@ -91,11 +112,15 @@ class AgentSession:
         affinity: str | None = None,
         tools: Sequence[dict] | None = None,
         env: Any = None,
+        abort_retries: int = 0,
     ):
         self.backend, self.params, self.tokenizer, self.template = backend, params, tokenizer, template
         self.max_turns, self.max_tokens, self.affinity = max_turns, max_tokens, affinity
         self.tools = list(tools) if tools else None
         self.env = env
+        self.abort_retries = abort_retries
+        self.stale = False
+        """Set by the async engine: the trajectory is too stale to train; every later turn ends it."""
         self.traj = Trajectory()
         self.history: list[Message] = []
         self._last_text: str | None = None
@@ -137,7 +162,8 @@ class AgentSession:
     async def generate(self, messages: Sequence[Message]) -> str:
         """The model's next turn, as text without its end-of-turn string. First call: the whole
         opening conversation; later calls: only the messages to append. Raises
-        :class:`TrajectoryEnd` at ``max_turns`` or ``max_tokens``."""
+        :class:`TrajectoryEnd` at ``max_turns`` or ``max_tokens`` (and ``stale`` in async mode)."""
+        self._check_stale()
         if self.traj.turns >= self.max_turns:
             raise TrajectoryEnd("max_turns", f"{self.traj.turns} turns taken")
         self._extend(messages)
@@ -146,7 +172,7 @@ class AgentSession:
             raise TrajectoryEnd("max_tokens", f"{self.length} tokens >= {self.max_tokens}")
         params = dataclasses.replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
         ids = [*self.traj.prompt_ids, *self.traj.output_ids]
-        (sample,) = await self.backend.generate_async([ids], params, affinity=self.affinity)
+        sample = await self._request(ids, params)
         out = list(sample.output_ids)
         t = self.traj
         turn = t.turns
@@ -165,8 +191,7 @@ class AgentSession:
         t.kinds += ["generated"] * len(out)
         t.turns += 1
         t.weight_version = str(sample.weight_version)
-        if getattr(sample, "routed_experts", None) is not None:
-            t.routed_experts = sample.routed_experts
+        self._merge_experts(getattr(sample, "routed_experts", None))
         text = self.tokenizer_decode(out)
         eot = self.template.end_of_turn
         self._last_closed = text.endswith(eot)
@@ -178,6 +203,38 @@ class AgentSession:
         if sample.finish_reason == "length" and self.length >= self.max_tokens:
             raise TrajectoryEnd("max_tokens", f"turn {turn} reached {self.max_tokens} tokens")
         return text
+
+    def _check_stale(self) -> None:
+        if self.stale:
+            raise TrajectoryEnd("stale", "its oldest generated token is older than rollout.max_staleness")
+
+    async def _request(self, ids: list[int], params: Any) -> Any:
+        """One turn's sample; a turn the servers abort (a weight update with ``pause_mode: abort``)
+        is sent again from the same ids, its partial output dropped, up to ``abort_retries`` times."""
+        for _ in range(self.abort_retries):
+            (sample,) = await self.backend.generate_async([ids], params, affinity=self.affinity)
+            if sample.finish_reason != "abort":
+                return sample
+            self.traj.aborted_turns += 1
+        (sample,) = await self.backend.generate_async([ids], params, affinity=self.affinity)
+        return sample
+
+    def _merge_experts(self, experts: Any) -> None:
+        """Keep each position's routing from the turn that first computed it (module doc):
+        ``experts`` ``[P_k + O_k - 1, layers, k]`` covers the prefix this trajectory already holds
+        (``[n, layers, k]``, n = its previous length - 1) and the positions this turn added."""
+        t = self.traj
+        if experts is None:
+            return
+        if t.routed_experts is None:
+            t.routed_experts = experts
+            return
+        held = np.asarray(t.routed_experts)
+        new = np.asarray(experts)
+        n = min(len(held), len(new))
+        differs = (new[:n] != held[:n]).reshape(n, -1).any(axis=1)
+        t.expert_prefix_recomputed += int(differs.sum())
+        t.routed_experts = np.concatenate([held[:n], new[n:]])
 
     def tokenizer_decode(self, ids: Sequence[int]) -> str:
         """The text of generated ids, special tokens kept (the end-of-turn string is looked for)."""
