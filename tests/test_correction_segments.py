@@ -407,3 +407,22 @@ def test_level_segment_without_a_sequence_unit_is_refused():
         dict(method="tis", veto_threshold=0.1),
     ):
         assert CorrectionConfig(level="segment", **ok).level == "segment"
+
+
+def test_the_bound_loss_reads_the_micro_batch_turn_ids():
+    """RLLoss, as the Megatron loss adapter calls it (the micro-batch's tensors as float32, turn_ids
+    among them), gives rl_loss with those turn ids; a micro-batch without them is the sequence level."""
+    from megatron_acrl.algo.losses import RLLoss
+
+    lp_old, lq, mask, turns, adv = multi_turn_batch(7)
+    cfg, alg = _seg(**CONFIGS["seq_mis"]), AlgorithmConfig()
+    n_tok, n_seq = int(mask.sum()), int(mask.any(-1).sum())
+    micro = {"old_logprobs": lp_old, "rollout_logprobs": lq, "advantages": adv, "loss_mask": mask.float()}
+    bound = RLLoss(alg, cfg, fused=False)
+    got, _ = bound(lp_old, dict(micro, turn_ids=turns.float()), n_tok, n_seq)
+    want, _ = rl_loss(lp_old, lp_old, lq, adv, mask.float(), algorithm=alg, correction=cfg, acrl=None,
+                      num_tokens=n_tok, num_seqs=n_seq, fused=False, turn_ids=turns)  # fmt: skip
+    seq, _ = rl_loss(lp_old, lp_old, lq, adv, mask.float(), algorithm=alg, correction=cfg, acrl=None,
+                     num_tokens=n_tok, num_seqs=n_seq, fused=False)  # fmt: skip
+    assert torch.equal(got, want) and not torch.equal(got, seq)
+    assert torch.equal(bound(lp_old, micro, n_tok, n_seq)[0], seq)
