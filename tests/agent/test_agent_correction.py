@@ -160,3 +160,58 @@ def test_what_the_long_trajectory_keeps_at_each_level(fused):
     for s, _, _ in units.values():
         assert -25 < s < -12
     assert bool((w("sequence", method="geo_mis", geo_low=0.95, geo_high=1.05).weights[mask] == 1).all())
+
+
+def _agent_batch():
+    """A two-row batch through the batch contract (``build_batch``): prompt, turn 0, an observation,
+    turn 1; the trainer's log pi_old drifts from the server's on turn 1 of row 0 only."""
+    from megatron_acrl.batch.rollout_batch import build_batch
+
+    out = [[10, 11, 12, 20, 21, 13, 14], [10, 11, 20, 21, 22, 13, 14]]
+    gen = [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 1, 1]]
+    turns = [[0, 0, 0, -1, -1, 1, 1], [0, 0, -1, -1, -1, 1, 1]]
+    lp = [[-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5], [-0.3, -0.2, 0.0, 0.0, 0.0, -0.6, -0.7]]
+    vers = [[3 if t == 0 else 4 if t == 1 else -1 for t in row] for row in turns]
+    b = build_batch([[1, 2], [1, 2]], out, lp, rewards=[1.0, 0.0], group_ids=[0, 0], pad_id=0, generated=gen,
+                    turn_ids=turns, token_versions=vers)  # fmt: skip
+    tb = dict(b.tensors())
+    old = tb["rollout_logprobs"].clone()
+    old[0][tb["turn_ids"][0] == 1] += 0.5  # turn 1 of row 0: rho = e^0.5 per token
+    tb["old_logprobs"] = old
+    return tb
+
+
+def test_the_driver_logs_the_mismatch_of_each_turn_of_a_built_batch():
+    """``train.drift_metrics`` (called by the driver every step) on a batch from the batch contract:
+    ``mismatch_turn/<k>/*`` for both turns, turn 0 exact, turn 1 the drift of its 4 tokens (2 of them
+    drifted by 0.5: k1 = E[log mu - log pi_old] = -0.25), beside the staleness split by lag."""
+    from megatron_acrl.train import drift_metrics
+
+    m = drift_metrics(_agent_batch(), trainer_version=4)  # type: ignore[arg-type]
+    assert m["mismatch_turn/0/kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m["mismatch_turn/1/kl"] == pytest.approx(-0.25, rel=1e-6)
+    assert m["mismatch_turn/1/k3_kl"] == pytest.approx((math.exp(0.5) - 1.5) / 2, rel=1e-6)
+    assert not any(k.startswith("mismatch_turn/2/") for k in m)
+    assert m["async/lag_frac/0"] == pytest.approx(4 / 9) and m["async/lag_frac/1"] == pytest.approx(5 / 9)
+
+
+@pytest.mark.parametrize("fused", KERNELS, ids=lambda f: "fused_cpu" if f else "torch")
+def test_the_loss_drops_only_the_drifting_turn_of_a_built_batch(fused):
+    """rl_loss at segment level on the built batch's own turn_ids: seq_mis ([0.5, 2]) drops turn 1
+    of row 0 (prod rho = e^1) and keeps every other turn; at sequence level it drops row 0 whole."""
+    from megatron_acrl.algo.losses import rl_loss
+    from megatron_acrl.config import AlgorithmConfig
+
+    tb = _agent_batch()
+    mask = tb["loss_mask"]
+    adv = torch.ones_like(mask)
+    kw = dict(algorithm=AlgorithmConfig(loss_agg="token-mean"), acrl=None, num_tokens=int(mask.sum()),
+              num_seqs=2, fused=fused, turn_ids=tb["turn_ids"])  # fmt: skip
+    for level, dropped in (("segment", 2), ("sequence", 5)):
+        cfg = CorrectionConfig(method="seq_mis", level=level)
+        x = tb["old_logprobs"].clone().requires_grad_(True)
+        loss, _ = rl_loss(x, tb["old_logprobs"], tb["rollout_logprobs"], adv, mask, correction=cfg, **kw)
+        loss.backward()
+        # token-mean of -A r with r = 1: -(kept tokens) / 9; the gradient is -1/9 on each kept token
+        assert float(loss.detach()) == pytest.approx(-(9 - dropped) / 9, rel=1e-6)
+        assert int((x.grad != 0).sum()) == 9 - dropped
