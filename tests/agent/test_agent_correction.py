@@ -103,13 +103,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused", KERNELS, ids=lambda f: "fused_cpu" if f else "torch")
+# the fused pass takes float32 log-probs; float64 inputs run the PyTorch path (float64 weights)
+INPUTS = [(f, torch.float32) for f in KERNELS] + [(False, torch.float64)]
+
+
+@pytest.mark.parametrize(
+    "fused,dtype", INPUTS, ids=[f"{'fused_cpu' if f else 'torch'}-{str(d)[6:]}" for f, d in INPUTS]
+)
 @pytest.mark.parametrize("level", ["sequence", "segment"])
 @pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_sequence_methods_on_4000_tokens_equal_the_log_space_reference(fused, level, name, kw, dtype):
-    if fused and dtype == torch.float64:
-        pytest.skip("the fused pass takes float32 log-probs")
     lp, lq, mask, turns = long_trajectory()
     lp, lq = lp.to(dtype), lq.to(dtype)
     cfg = CorrectionConfig(level=level, **kw)
