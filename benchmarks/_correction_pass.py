@@ -32,15 +32,20 @@ def correction_pass(
     num_seqs: int,
     *,
     fused: bool | None = None,
+    turn_ids: Tensor | None = None,
 ) -> dict[str, float]:
     """Everything the correction costs per batch (``[B, T]`` inputs); returns the final metrics.
 
     ``fused``: the kernel, resolved once by the caller (None: ``cfg.kernel`` for the tensors' device).
+    ``turn_ids``: ``[B, T]`` agent turns (-1 off generated tokens), as the trainer hands them to the
+    loss; read at ``correction.level: segment``.
     """
     if fused is None:
         fused = fused_cpu.resolve_kernel(cfg.kernel, old.device)
     shared = MismatchTensors(old, roll, mask, fused=fused)
     sig = ctl.update(acrl_discrepancy_stats(shared, cfg.distance))
-    corr = compute_correction(cfg, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=adv, acrl=sig)
+    corr = compute_correction(
+        cfg, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=adv, acrl=sig, turn_ids=turn_ids
+    )
     parts = {**corr.metrics, **mismatch_metrics(shared, num_tokens=num_tokens, num_seqs=num_seqs)}
     return finalize_metrics(parts)

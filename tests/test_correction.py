@@ -480,16 +480,20 @@ def test_verl_names_of_the_perplexity_metrics(fused):
 
 
 def test_overhead_benchmark_smoke():
-    """benchmarks/correction_overhead.py runs both kernels and ends with their goal figures."""
+    """benchmarks/correction_overhead.py runs both kernels on single- and multi-turn batches and ends
+    with the figures, single-turn overheads first."""
     root = Path(__file__).resolve().parents[1]
     smoke = ["--tokens", "512", "--vocab", "1024", "--repeats", "2"]
     out = subprocess.run(
         [sys.executable, "benchmarks/correction_overhead.py", *smoke],
         cwd=root, capture_output=True, text=True, check=True, timeout=300,
     ).stdout.strip().splitlines()  # fmt: skip
-    names = [line.split(":")[0] for line in out[-2:]] if fused_cpu.available() else [out[-1].split(":")[0]]
-    assert names[-1] == "torch-path overhead" and names[0] in ("fused-path overhead", "torch-path overhead")
-    assert all(float(line.rsplit(":", 1)[1]) > 0 for line in out[-len(names) :])
+    paths = ["fused-path", "torch-path"] if fused_cpu.available() else ["torch-path"]
+    figures = ("overhead", "overhead multi-turn", "multi/single", "segment/sequence")
+    want = [f"{p} {f}" for f in figures for p in paths]
+    lines = out[-len(want) :]
+    assert [line.rsplit(":", 1)[0] for line in lines] == want
+    assert all(float(line.rsplit(":", 1)[1]) > 0 for line in lines)
 
 
 @FUSED

@@ -169,6 +169,7 @@ def rl_loss(
     norm_len: int | None = None,
     with_mismatch_metrics: bool = True,
     weight_mean: Tensor | float | None = None,
+    turn_ids: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The corrected policy loss of one micro-batch, as the Megatron loss adapter calls it.
 
@@ -192,13 +193,14 @@ def rl_loss(
         weight_mean: ``correction.batch_normalize``: the whole batch's mean weight
             (:func:`~megatron_acrl.correction.batch_weight_mean`), the same on every micro-batch and
             rank; None normalises by this micro-batch's own mean.
+        turn_ids: ``[B, T]`` agent turn of each token (-1 elsewhere), for ``correction.level: segment``.
     Returns:
         ``(loss, partial metrics)``; ``loss`` summed over micro-batches and ranks is the full loss.
     """
     shared = MismatchTensors(old_logprobs, rollout_logprobs, loss_mask, fused=fused)
     corr = compute_correction(
         correction, shared, num_tokens=num_tokens, num_seqs=num_seqs, advantages=advantages, acrl=acrl,
-        weight_mean=weight_mean,
+        weight_mean=weight_mean, turn_ids=turn_ids,
     )  # fmt: skip
     loss_mask = shared.mask  # the valid tokens: a NaN log-prob never reaches the gradient
     agg = functools.partial(
@@ -279,7 +281,8 @@ class RLLoss:
         Args:
             logprobs: ``[B, T]`` log pi under the current weights (requires grad).
             micro_batch: ``old_logprobs``, ``rollout_logprobs``, ``advantages``, ``loss_mask`` and,
-                for ``kl_coef`` > 0, ``ref_logprobs``, all ``[B, T]`` (other keys are ignored).
+                for ``kl_coef`` > 0, ``ref_logprobs`` and, for ``correction.level: segment``,
+                ``turn_ids``, all ``[B, T]`` (other keys are ignored).
             num_tokens / num_seqs: the optimizer step's global denominators.
             entropy: ``[B, T]`` token entropies or None. acrl: the controller's signal of this
                 rollout batch. weight_mean: ``correction.batch_normalize``'s mean weight of the step.
@@ -301,6 +304,7 @@ class RLLoss:
             norm_len=self.norm_len,
             with_mismatch_metrics=self.with_mismatch_metrics,
             weight_mean=weight_mean,
+            turn_ids=micro_batch.get("turn_ids"),
         )
 
 

@@ -223,6 +223,9 @@ def _yaml_scalar(v: Any) -> str:
 
 CorrectionMethod = Literal["none", "tis", "seq_tis", "seq_mis", "geo_mis", "icepop", "acrl"]
 CorrectionKernel = Literal["auto", "torch", "fused_cpu"]
+CorrectionLevel = Literal["sequence", "segment"]
+SEQUENCE_LEVEL_METHODS = ("seq_tis", "seq_mis", "geo_mis")
+"""The methods whose ratio is taken over a unit of tokens (``correction.level``: a sequence or a turn)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,13 @@ class CorrectionConfig(_Section):
 
     geo_high: float = 1.001
     """geo_mis: upper bound of the geometric-mean ratio."""
+
+    level: CorrectionLevel = "sequence"
+    """The unit of the sequence-level corrections (seq_tis, seq_mis, geo_mis, the masks and the
+    veto): sequence, the whole response; segment, each agent turn (the generated tokens of one
+    turn, from the batch's turn_ids; ROLL's segment weight type), so one bad turn of a long
+    trajectory drops or clips that turn only. A single-turn sample is one segment (the same as
+    sequence). The fractions are then token fractions named seg_*_frac."""
 
     icepop_low: float = 0.5
     """icepop: tokens with rho below this get weight 0."""
@@ -373,7 +383,18 @@ class CorrectionConfig(_Section):
             "must be in (0, 1) or null",
         )
         _check(e, len(set(self.masks)) == len(self.masks), "masks", "lists a mask twice")
+        _check(
+            e,
+            self.level == "sequence" or self._has_sequence_unit(),
+            "level",
+            f"level=segment changes only {', '.join(SEQUENCE_LEVEL_METHODS)}, masks and veto_threshold, "
+            f"and method={self.method} uses none of them: set level=sequence, or choose one of those",
+        )
         return e + self._acrl_errors()
+
+    def _has_sequence_unit(self) -> bool:
+        """Whether anything here takes a ratio over a unit of tokens (what ``level`` chooses)."""
+        return self.method in SEQUENCE_LEVEL_METHODS or bool(self.masks) or self.veto_threshold is not None
 
     def _acrl_errors(self) -> list[tuple[str, str]]:
         """The ACRL controller's and weights' fields."""

@@ -24,6 +24,11 @@ sequence masks (``masks``: the ``seq_mis`` / ``geo_mis`` bands as masks only), t
 (``veto_threshold``: drop a sequence with any token ``rho < threshold``), batch normalisation, and the
 weights' partial metrics.
 
+``correction.level: segment`` takes the sequence-level quantities (``seq_tis``, ``seq_mis``,
+``geo_mis``, the masks and the veto) over each agent turn instead of each sequence
+(:data:`SEGMENT_METHODS`, :mod:`~megatron_acrl.correction.segments`, from the batch's ``turn_ids``);
+their fractions are then token fractions, ``correction/seg_*_frac``.
+
 With ``sh.fused`` (the caller chose the C kernel), plain ACRL -- no masks, veto or normalisation --
 is one C pass for the weights and their metrics (:func:`fused_cpu.acrl_weights`), with the same
 results as the ``acrl`` entry here (``tests/test_fused_cpu.py``).
@@ -43,6 +48,7 @@ from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.acrl import AcrlSignal, acrl_alpha, acrl_coefficient
 from megatron_acrl.correction.metrics import row_sums, token_row_metrics, weight_metrics
 from megatron_acrl.correction.mismatch import LOG_RATIO_BOUND, MismatchTensors, cached_const
+from megatron_acrl.correction.segments import Segments, segments_of
 
 
 @dataclass
@@ -64,12 +70,15 @@ class MethodWeights:
 
     Attributes:
         weights: ``[B, T]`` in the log-probs' dtype, 0 on padding.
-        seq_keep: ``[B]`` bool, the sequences the method itself keeps (``seq_mis``, ``geo_mis``).
+        seq_keep: ``[B]`` bool, the sequences the method itself keeps (``seq_mis``, ``geo_mis``); at
+            ``level: segment`` ``[B, T]`` bool, the tokens whose segment it keeps.
         token_rows: ``[B, T]`` rows (0 on padding) reported as token means, by full metric name.
         seq_rows: ``[B]`` rows (0 for empty sequences) reported as sequence means, by full name.
         buffer: None, or ``[2 + len(token_rows), B, T]`` float64 whose row 0 is ``weights`` and rows
             2.. are ``token_rows`` (row 1 is free): the composition step then reduces them in place
             (:func:`~megatron_acrl.correction.metrics.token_row_metrics`) instead of stacking copies.
+        unit_rows: ``[B, T]`` rows the segment-level composition adds (token means, reduced apart
+            from ``buffer``): ``correction/seg_masked_frac``, ``correction/seg_veto_frac``.
     """
 
     weights: Tensor
@@ -77,6 +86,7 @@ class MethodWeights:
     token_rows: dict[str, Tensor] = field(default_factory=dict)
     seq_rows: dict[str, Tensor] = field(default_factory=dict)
     buffer: Tensor | None = None
+    unit_rows: dict[str, Tensor] = field(default_factory=dict)
 
 
 MethodFn = Callable[[MismatchTensors, CorrectionConfig, Tensor | None, AcrlSignal | None], MethodWeights]
@@ -229,19 +239,75 @@ METHODS: dict[str, MethodFn] = {
 """``correction.method`` -> the function computing its weights (before the composition step)."""
 
 
+def _seg_tis(sh: MismatchTensors, cfg: CorrectionConfig, seg: Segments) -> MethodWeights:
+    s = seg.log_ratio
+    lo, hi = _log_bounds(cfg.seq_low, cfg.seq_high)
+    w = torch.exp(s.clamp(lo, hi).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    m = sh.mask
+    return MethodWeights(
+        torch.where(m, w, _zero(sh)),
+        token_rows={
+            "correction/seg_clip_frac_high": (s > hi) & m,
+            "correction/seg_clip_frac_low": (s < lo) & m,
+        },
+    )
+
+
+def _seg_mis(sh: MismatchTensors, cfg: CorrectionConfig, seg: Segments) -> MethodWeights:
+    w = torch.exp(seg.log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    return MethodWeights(torch.where(sh.mask, w, _zero(sh)), seq_keep=seg_mis_keep(seg, cfg))
+
+
+def _seg_geo_mis(sh: MismatchTensors, cfg: CorrectionConfig, seg: Segments) -> MethodWeights:
+    return MethodWeights(sh.mask.to(torch.float64), seq_keep=seg_geo_keep(seg, cfg))
+
+
+def seg_mis_keep(seg: Segments, cfg: CorrectionConfig) -> Tensor:
+    """``[B, T]`` bool: the token's segment has ``prod rho`` in ``[seq_low, seq_high]``."""
+    return _log_band(seg.log_ratio, cfg.seq_low, cfg.seq_high)
+
+
+def seg_geo_keep(seg: Segments, cfg: CorrectionConfig) -> Tensor:
+    """``[B, T]`` bool: the token's segment has ``exp(mean log rho)`` in ``[geo_low, geo_high]``."""
+    return _log_band(seg.mean_log_ratio, cfg.geo_low, cfg.geo_high)
+
+
+SEGMENT_METHODS: dict[str, Callable[[MismatchTensors, CorrectionConfig, Segments], MethodWeights]] = {
+    "seq_tis": _seg_tis,
+    "seq_mis": _seg_mis,
+    "geo_mis": _seg_geo_mis,
+}
+"""``correction.level: segment``: the sequence-level methods with each turn as the unit (the other
+methods are per token and have no unit)."""
+
+SEGMENT_MASKS: dict[str, Callable[[Segments, CorrectionConfig], Tensor]] = {
+    "seq_mis": seg_mis_keep,
+    "geo_mis": seg_geo_keep,
+}
+"""``correction.masks`` at segment level: ``[B, T]`` keeps, by name."""
+
+
 def _composes(cfg: CorrectionConfig) -> bool:
     """Whether the composition step changes anything beyond the method's own weights."""
     return bool(cfg.masks) or cfg.veto_threshold is not None or cfg.batch_normalize
 
 
 def _compose(
-    sh: MismatchTensors, cfg: CorrectionConfig, out: MethodWeights, weight_mean: Tensor | float | None
+    sh: MismatchTensors,
+    cfg: CorrectionConfig,
+    out: MethodWeights,
+    weight_mean: Tensor | float | None,
+    seg: Segments | None = None,
 ) -> Tensor:
     """Extra sequence masks, the veto, then batch normalisation, on one method's weights.
 
-    Adds the ``seq_masked_frac`` / ``seq_veto_frac`` rows to ``out.seq_rows``; returns the final
-    detached ``[B, T]`` weights.
+    Adds the ``seq_masked_frac`` / ``seq_veto_frac`` rows to ``out.seq_rows`` (with ``seg``, the
+    segment level: ``seg_masked_frac`` / ``seg_veto_frac`` token rows to ``out.unit_rows``); returns
+    the final detached ``[B, T]`` weights.
     """
+    if seg is not None:
+        keep = _segment_keep(sh, cfg, out, seg)
+        return _normalized(sh, cfg, out.weights if keep is None else out.weights * keep, weight_mean)
     seq_keep = out.seq_keep
     for extra in cfg.masks:
         keep = SEQUENCE_MASKS[extra](sh, cfg)
@@ -255,9 +321,33 @@ def _compose(
     weights = out.weights
     if seq_keep is not None:
         weights = weights * seq_keep.unsqueeze(-1)
+    return _normalized(sh, cfg, weights, weight_mean)
+
+
+def _normalized(
+    sh: MismatchTensors, cfg: CorrectionConfig, weights: Tensor, weight_mean: Tensor | float | None
+) -> Tensor:
     if cfg.batch_normalize:
         weights = weights / _normalizer(weights.sum(), sh, weight_mean)
     return weights.detach()
+
+
+def _segment_keep(
+    sh: MismatchTensors, cfg: CorrectionConfig, out: MethodWeights, seg: Segments
+) -> Tensor | None:
+    """``[B, T]`` bool: the tokens whose segment survives the method's keep, the masks and the veto
+    (None: nothing drops a segment); their fractions (of the valid tokens) go to ``out.unit_rows``."""
+    keep = out.seq_keep
+    for extra in cfg.masks:
+        k = SEGMENT_MASKS[extra](seg, cfg)
+        keep = k if keep is None else keep & k
+    if keep is not None:
+        out.unit_rows["correction/seg_masked_frac"] = ~keep & sh.mask
+    if cfg.veto_threshold is not None:
+        vetoed = seg.vetoed(cfg.veto_threshold)
+        out.unit_rows["correction/seg_veto_frac"] = vetoed
+        keep = ~vetoed if keep is None else keep & ~vetoed
+    return keep
 
 
 def _normalizer(local_sum: Tensor, sh: MismatchTensors, weight_mean: Tensor | float | None) -> Tensor:
@@ -278,6 +368,7 @@ def compute_correction(
     advantages: Tensor | None = None,
     acrl: AcrlSignal | None = None,
     weight_mean: Tensor | float | None = None,
+    turn_ids: Tensor | None = None,
 ) -> Correction:
     """Correction weights of ``cfg.method`` plus their partial metrics.
 
@@ -291,6 +382,10 @@ def compute_correction(
         weight_mean: the batch's mean weight over its valid tokens (:func:`batch_weight_mean`) for
             ``batch_normalize``, the same for every micro-batch and rank; None uses this call's own
             tokens (exact only when this call sees the whole batch).
+        turn_ids: ``[B, T]`` the turn that generated each token (-1 elsewhere), read at
+            ``cfg.level == "segment"`` only: each turn is then the unit of the sequence-level methods,
+            masks and veto (:mod:`~megatron_acrl.correction.segments`); None (a single-turn batch):
+            each response is its one segment.
     Returns:
         :class:`Correction` with detached ``weights`` ``[B, T]`` in the log-probs' dtype (computed,
         and their metrics, in float64 on the PyTorch path).
@@ -300,8 +395,12 @@ def compute_correction(
         raise ValueError(f"unknown correction.method {cfg.method!r}")
     if cfg.method == "acrl" and sh.fused and not _composes(cfg):  # one C pass (fused_cpu); same result
         return _acrl_fused(cfg, sh, num_tokens=num_tokens, advantages=advantages, acrl=acrl)
-    out = method(sh, cfg, advantages, acrl)
-    weights = _compose(sh, cfg, out, weight_mean)
+    seg = segments_of(sh, turn_ids) if cfg.level == "segment" else None
+    if seg is not None and cfg.method in SEGMENT_METHODS:
+        out = SEGMENT_METHODS[cfg.method](sh, cfg, seg)
+    else:
+        out = method(sh, cfg, advantages, acrl)
+    weights = _compose(sh, cfg, out, weight_mean, seg)
     if out.buffer is None:
         metrics = weight_metrics(
             weights, sh.mask, num_tokens=num_tokens, extra_token_rows=out.token_rows, pad=sh.pad,
@@ -313,8 +412,8 @@ def compute_correction(
         metrics = token_row_metrics(
             out.buffer, tuple(out.token_rows), num_tokens=num_tokens, mask_f=sh.mask_f, pad=sh.pad
         )
-    if out.seq_rows:
-        metrics.update(row_sums({}, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
+    if out.seq_rows or out.unit_rows:
+        metrics.update(row_sums(out.unit_rows, out.seq_rows, num_tokens=num_tokens, num_seqs=num_seqs))
     return Correction(weights=weights.to(sh.dtype), metrics=metrics)
 
 
@@ -324,6 +423,7 @@ def batch_weight_mean(
     *,
     advantages: Tensor | None = None,
     acrl: AcrlSignal | None = None,
+    turn_ids: Tensor | None = None,
 ) -> Tensor:
     """The mean weight over the valid tokens of a whole batch, before ``batch_normalize``.
 
@@ -332,14 +432,14 @@ def batch_weight_mean(
     normalised by one global mean, not by each micro-batch's own.
 
     Args:
-        sh: the whole batch's shared intermediates (``[N, L]``). advantages / acrl: as for
-            :func:`compute_correction`.
+        sh: the whole batch's shared intermediates (``[N, L]``). advantages / acrl / turn_ids: as
+            for :func:`compute_correction`.
     Returns:
         ``[]`` float64 (0 for a batch without a valid token).
     """
     plain = replace(cfg, batch_normalize=False)
     corr = compute_correction(
-        plain, sh, num_tokens=sh.lens.sum(), num_seqs=1, advantages=advantages, acrl=acrl
+        plain, sh, num_tokens=sh.lens.sum(), num_seqs=1, advantages=advantages, acrl=acrl, turn_ids=turn_ids
     )
     return corr.metrics["correction/weight_mean"]
 

@@ -54,7 +54,7 @@ MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``tokens [b, T]`` int64 and, for training, ``loss_mask``, ``old_logprobs``,
 ``rollout_logprobs``, ``advantages`` (and optionally ``ref_logprobs``), all ``[b, T]``."""
 
-LOSS_KEYS = ("loss_mask", "old_logprobs", "rollout_logprobs", "advantages", "ref_logprobs")
+LOSS_KEYS = ("loss_mask", "old_logprobs", "rollout_logprobs", "advantages", "ref_logprobs", "turn_ids")
 """The micro-batch's ``[b, T]`` tensors a policy loss may read, handed to it as float32."""
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -407,7 +407,7 @@ class Policy(ModelTrainer):
         source = self._replay_source(batch, training=True)  # MoE routing replay (R3 / R2)
         if source is not None:
             batch = dict(batch, replay_experts=source)
-        micro, plan = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts"))
+        micro, plan = self._micro_batches(batch, TRAIN_KEYS + ("ref_logprobs", "replay_experts", "turn_ids"))
         loss_func_for = partial(
             self.adapter.train_loss_func,
             acrl=signal,
@@ -445,8 +445,9 @@ class Policy(ModelTrainer):
             fused=self.adapter.fused,
         )
         return batch_weight_mean(
-            self.cfg.correction, shared, advantages=batch["advantages"].float(), acrl=signal
-        )
+            self.cfg.correction, shared, advantages=batch["advantages"].float(), acrl=signal,
+            turn_ids=batch.get("turn_ids"),
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------
     # Weights: HF export and load (the stream and the reader live in hf_io)
