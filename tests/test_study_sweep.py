@@ -159,7 +159,8 @@ def test_an_async_run_gets_the_sweeps_pick_and_explain_says_so() -> None:
     assert sources["correction.step_control"] == sources["correction.alpha_min"] == ASYNC_SOURCE
     assert (cfg.correction.step_kappa, cfg.correction.step_budget_min) == (1.5, 0.05)
     lines = "\n".join(explain(cfg, sources))
-    assert f"correction.step_control: 'none' | 'drift_budget' = 'drift_budget'  (from {ASYNC_SOURCE})" in lines
+    want = f"correction.step_control: 'none' | 'drift_budget' = 'drift_budget'  (from {ASYNC_SOURCE})"
+    assert want in lines
     # an explicit value wins; TIS gets no alpha_min; a sync run (even lagged) is unchanged
     cfg, sources = load_config_with_sources(
         ROOT / "configs" / "tiny_async.yaml", ["correction.step_control=none", "correction.method=tis"]
