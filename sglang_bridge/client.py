@@ -169,9 +169,10 @@ class SGLangClient:
         retry_after_send: bool = True,
         timeout_s: float | None = None,
         by_progress: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> _Answer:
         """Send through aiohttp with :meth:`_retrying`'s retries and errors; ``by_progress``: timed by
-        :attr:`progress` (``/generate``), not by its own age."""
+        :attr:`progress` (``/generate``), not by its own age; ``headers`` added to the session's."""
         data = orjson.dumps(body) if body is not None else None
         if by_progress:
             timeout_s = None  # no total: the progress clock ends a request its server does not serve
@@ -182,9 +183,10 @@ class SGLangClient:
         )
 
         async def attempt() -> tuple[int, _Answer]:
-            async with self._session().request(
-                method, self.url + path, data=data, **({"timeout": timeout} if timeout else {})
-            ) as r:
+            extra: dict[str, Any] = {"timeout": timeout} if timeout else {}
+            if headers:
+                extra["headers"] = headers
+            async with self._session().request(method, self.url + path, data=data, **extra) as r:
                 return r.status, _Answer(r.status, await r.read())
 
         async def send() -> tuple[int, _Answer]:
@@ -315,13 +317,23 @@ class SGLangClient:
         )
 
     async def generate_one(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        *,
+        routing_key: str | None = None,
     ) -> Sample:
-        """One sample for one prompt (token ids in, token ids + log-probs out)."""
+        """One sample for one prompt (token ids in, token ids + log-probs out). ``routing_key``:
+        sent as sglang-router's ``X-SMG-Routing-Key`` header (:data:`ROUTING_KEY_HEADER`)."""
         prompt = [int(t) for t in prompt_ids]
         body = self._body(prompt, params, rid)
         async with self._sem:
-            out = (await self._request("POST", "/generate", body, by_progress=True)).json()
+            out = (
+                await self._request(
+                    "POST", "/generate", body, by_progress=True, headers=_routing(routing_key)
+                )
+            ).json()
         return self._sample(prompt, out, params)
 
     async def generate_batch(
@@ -344,7 +356,13 @@ class SGLangClient:
         return [self._sample(p, o, sp) for p, o, sp in zip(flat, outs, params, strict=True)]
 
     async def generate_group(
-        self, prompt_ids: Sequence[int], params: SamplingParams, n: int, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        rid: str | None = None,
+        *,
+        routing_key: str | None = None,
     ) -> list[Sample]:
         """``n`` samples of one prompt in one ``/generate`` request (SGLang's ``n``): the prompt's
         prefix is computed once and the samples decode together, on one server (also through
@@ -358,16 +376,25 @@ class SGLangClient:
         if params.seed is not None and n > 1:
             return list(
                 await asyncio.gather(
-                    *(self.generate_one(prompt_ids, replace(params, seed=params.seed + j)) for j in range(n))
+                    *(
+                        self.generate_one(
+                            prompt_ids, replace(params, seed=params.seed + j), routing_key=routing_key
+                        )
+                        for j in range(n)
+                    )
                 )
             )
         if n == 1:
-            return [await self.generate_one(prompt_ids, params, rid)]
+            return [await self.generate_one(prompt_ids, params, rid, routing_key=routing_key)]
         prompt = [int(t) for t in prompt_ids]
         body = self._body(prompt, params, rid)
         body["sampling_params"]["n"] = n
         async with self._sem:
-            outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
+            outs = (
+                await self._request(
+                    "POST", "/generate", body, by_progress=True, headers=_routing(routing_key)
+                )
+            ).json()
         if not isinstance(outs, list) or len(outs) != n:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"group of n={n} answered with {got}")
@@ -574,6 +601,15 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> Any:
         return await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""The header sglang-router 0.3.2's ``consistent_hashing`` policy hashes to pick a worker (a request
+without it is routed at random); the servers themselves ignore it."""
+
+
+def _routing(key: str | None) -> dict[str, str] | None:
+    return {ROUTING_KEY_HEADER: key} if key else None
 
 
 def _target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> list[float]:
