@@ -87,7 +87,10 @@ async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[T
             traj.prompt_ids = tok.encode(sample.text) or [ctx.pad_id]
         return traj
 
-    return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
+    finally:
+        await ctx.servers.aclose()  # this event loop's clients: asyncio.run closes the loop next
 
 
 def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:

@@ -98,6 +98,10 @@ class AgentSession:
         self.env = env
         self.traj = Trajectory()
         self.history: list[Message] = []
+        # A turn ends on the template's end-of-turn token (ChatML's <|im_end|>) as well as on the
+        # model's EOS: the server stops there, so the turn's ids close it themselves.
+        eot = list(tokenizer.encode(template.end_of_turn))
+        self._stop = tuple(eot) if len(eot) == 1 else ()
         self._last_text: str | None = None
         self._last_closed = True
 
@@ -144,7 +148,10 @@ class AgentSession:
         room = self.max_tokens - self.length
         if room <= 0:
             raise TrajectoryEnd("max_tokens", f"{self.length} tokens >= {self.max_tokens}")
-        params = dataclasses.replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
+        stop = tuple(dict.fromkeys((*self.params.stop_token_ids, *self._stop)))
+        params = dataclasses.replace(
+            self.params, max_new_tokens=min(self.params.max_new_tokens, room), stop_token_ids=stop
+        )
         ids = [*self.traj.prompt_ids, *self.traj.output_ids]
         (sample,) = await self.backend.generate_async([ids], params, affinity=self.affinity)
         out = list(sample.output_ids)
