@@ -19,6 +19,7 @@ from megatron_acrl.batch.staleness import token_versions
 from megatron_acrl.config import resolve_import_path
 from megatron_acrl.rollout.agent.envs import make_env
 from megatron_acrl.rollout.agent.loop import AgentFn, env_agent, load_agent, run_trajectory
+from megatron_acrl.rollout.agent.openai_server import close_endpoints
 from megatron_acrl.rollout.agent.session import AgentSession, Trajectory
 from megatron_acrl.rollout.agent.templates import QWEN_STYLE, TINY_CHATML, ChatTemplate
 from megatron_acrl.tasks.base import Prompt
@@ -89,8 +90,9 @@ async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[T
 
     try:
         return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
-    finally:
-        await ctx.servers.aclose()  # this event loop's clients: asyncio.run closes the loop next
+    finally:  # this event loop's clients and OpenAI endpoint: asyncio.run closes the loop next
+        await close_endpoints()
+        await ctx.servers.aclose()
 
 
 def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:

@@ -106,6 +106,11 @@ class AgentSession:
         self._last_closed = True
 
     @property
+    def last_turn_closed(self) -> bool:
+        """Whether the last generated turn ended on the end-of-turn string (not cut by a limit)."""
+        return self._last_closed
+
+    @property
     def length(self) -> int:
         return len(self.traj.prompt_ids) + len(self.traj.output_ids)
 
