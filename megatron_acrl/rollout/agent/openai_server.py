@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,7 +50,7 @@ from typing import Any
 from aiohttp import web
 
 from megatron_acrl.rollout.agent.session import AgentSession, TrajectoryEnd
-from megatron_acrl.rollout.agent.tools import _CALL_RE
+from megatron_acrl.rollout.agent.tools import TOOL_CALL_RE
 
 OpenAIAgentFn = Callable[[str, Any], Awaitable[Any]]
 """``agent(base_url, sample) -> reward | (reward, reason)``."""
@@ -116,7 +117,7 @@ def parse_reply(text: str) -> tuple[str, list[dict[str, Any]]]:
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
-    for k, m in enumerate(_CALL_RE.finditer(text)):
+    for k, m in enumerate(TOOL_CALL_RE.finditer(text)):
         try:
             body = json.loads(m.group(1))
             name, arguments = str(body["name"]), body.get("arguments", {})
@@ -154,9 +155,10 @@ class Endpoint:
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # a free port, held from here on (no race with another binder)
+        self.port = int(sock.getsockname()[1])
+        await web.SockSite(self._runner, sock).start()
         return self
 
     async def close(self) -> None:
