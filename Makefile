@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-all lint bench demo async-reward study study-pilot study-first study-sweep-pilot study-sweep-pilot2 study-sweep mutate clean
+.PHONY: setup test test-slow test-all lint bench demo agent-demo async-reward study study-pilot study-first study-sweep-pilot study-sweep-pilot2 study-sweep mutate clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,17 @@ demo: $(STAMP)
 		-m megatron_acrl.train --config configs/demo.yaml --run-dir runs/demo
 	$(PY) -m megatron_acrl.plots runs/demo
 	@echo "demo run: runs/demo (metrics.jsonl, W&B offline run in runs/demo/wandb, plots in runs/demo/plots)"
+
+# Agentic RL (issue #33): the calculator environment (3-digit addition with a calculator tool), 2
+# Megatron ranks (TP=2, gloo), a real SGLang CPU server, FP8 rollout, ACRL, W&B offline, after a
+# supervised warm start on tool-call traces; prints the sampled reward's rise and the tool-call rate
+# (megatron_acrl/rollout/agent/report.py) as `name: value` lines.
+agent-demo: $(STAMP)
+	rm -rf runs/agent-demo
+	WANDB_SILENT=true OMP_NUM_THREADS=1 $(PY) -m launch.torchrun --standalone --nproc-per-node 2 \
+		-m megatron_acrl.train --config configs/agent_demo.yaml --run-dir runs/agent-demo
+	$(PY) -m megatron_acrl.rollout.agent.report runs/agent-demo
+	@echo "agent demo run: runs/agent-demo (metrics.jsonl, W&B offline run in runs/agent-demo/wandb)"
 
 # Reward parity of async RL: the demo's config in sync and in async (K = 1), both reward curves (and the
 # exact J) in docs/async_reward.png, and a table for docs/async.md (scripts/async_reward.py).

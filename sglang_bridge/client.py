@@ -62,7 +62,9 @@ from tqdm.auto import tqdm
 from sglang_bridge.progress import ServerProgress
 from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
 from sglang_bridge.transport import (
+    ROUTING_KEY_HEADER,
     ControlConnections,
+    HTTPAnswer,
     RequestDropped,
     ServerGoneError,
     SGLangHTTPError,
@@ -77,22 +79,6 @@ PauseMode = Literal["abort", "retract", "in_place"]
 KEEPALIVE_S = 4.0
 """An idle /generate connection is reused only this long: uvicorn closes idle ones after 5 s, and a
 request written into a connection the server is closing reads as a server dropping it."""
-
-
-class _Answer:
-    """A response: status and body (the aiohttp response is released before it is used)."""
-
-    __slots__ = ("status", "body")
-
-    def __init__(self, status: int, body: bytes):
-        self.status, self.body = status, body
-
-    @property
-    def text(self) -> str:
-        return self.body.decode("utf-8", errors="replace")
-
-    def json(self) -> Any:
-        return orjson.loads(self.body)
 
 
 class SGLangClient:
@@ -169,9 +155,10 @@ class SGLangClient:
         retry_after_send: bool = True,
         timeout_s: float | None = None,
         by_progress: bool = False,
-    ) -> _Answer:
+        headers: dict[str, str] | None = None,
+    ) -> HTTPAnswer:
         """Send through aiohttp with :meth:`_retrying`'s retries and errors; ``by_progress``: timed by
-        :attr:`progress` (``/generate``), not by its own age."""
+        :attr:`progress` (``/generate``), not by its own age; ``headers`` added to the session's."""
         data = orjson.dumps(body) if body is not None else None
         if by_progress:
             timeout_s = None  # no total: the progress clock ends a request its server does not serve
@@ -181,13 +168,14 @@ class SGLangClient:
             else None
         )
 
-        async def attempt() -> tuple[int, _Answer]:
-            async with self._session().request(
-                method, self.url + path, data=data, **({"timeout": timeout} if timeout else {})
-            ) as r:
-                return r.status, _Answer(r.status, await r.read())
+        async def attempt() -> tuple[int, HTTPAnswer]:
+            extra: dict[str, Any] = {"timeout": timeout} if timeout else {}
+            if headers:
+                extra["headers"] = headers
+            async with self._session().request(method, self.url + path, data=data, **extra) as r:
+                return r.status, HTTPAnswer(r.status, await r.read())
 
-        async def send() -> tuple[int, _Answer]:
+        async def send() -> tuple[int, HTTPAnswer]:
             try:
                 return await (self.progress.wait(attempt()) if by_progress else attempt())
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
@@ -263,6 +251,13 @@ class SGLangClient:
         return (await self._request("GET", path)).json()
 
     # -- generation -----------------------------------------------------------------------
+    async def _generate(self, body: dict[str, Any], routing_key: str | None = None) -> Any:
+        """POST ``/generate`` (one of ``max_concurrency`` in flight, timed by progress); the decoded
+        answer. ``routing_key``: sent as sglang-router's :data:`ROUTING_KEY_HEADER`."""
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        async with self._sem:
+            return (await self._request("POST", "/generate", body, by_progress=True, headers=headers)).json()
+
     def logprob_temperature(self, params: SamplingParams) -> float:
         """Temperature at which this server's log-probs for ``params`` are computed."""
         if params.temperature == 0 or self.original_logprobs:
@@ -319,10 +314,7 @@ class SGLangClient:
     ) -> Sample:
         """One sample for one prompt (token ids in, token ids + log-probs out)."""
         prompt = [int(t) for t in prompt_ids]
-        body = self._body(prompt, params, rid)
-        async with self._sem:
-            out = (await self._request("POST", "/generate", body, by_progress=True)).json()
-        return self._sample(prompt, out, params)
+        return self._sample(prompt, await self._generate(self._body(prompt, params, rid)), params)
 
     async def generate_batch(
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
@@ -336,15 +328,20 @@ class SGLangClient:
         per_sample = ("input_ids", "sampling_params", "logprob_start_len", "rid")
         body = {k: [b[k] for b in bodies] for k in per_sample}
         body.update({k: v for k, v in bodies[0].items() if k not in body})  # the scalar fields
-        async with self._sem:
-            outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
+        outs = await self._generate(body)
         if not isinstance(outs, list) or len(outs) != len(flat):
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"batch of {len(flat)} answered with {got}")
         return [self._sample(p, o, sp) for p, o, sp in zip(flat, outs, params, strict=True)]
 
     async def generate_group(
-        self, prompt_ids: Sequence[int], params: SamplingParams, n: int, rid: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        rid: str | None = None,
+        *,
+        routing_key: str | None = None,
     ) -> list[Sample]:
         """``n`` samples of one prompt in one ``/generate`` request (SGLang's ``n``): the prompt's
         prefix is computed once and the samples decode together, on one server (also through
@@ -352,6 +349,7 @@ class SGLangClient:
 
         With ``params.seed`` set and ``n > 1`` the samples go as ``n`` requests seeded
         ``seed, seed + 1, ...`` instead (one seed for the whole request would repeat one sample).
+        ``routing_key``: sglang-router's :data:`ROUTING_KEY_HEADER` (not on those seeded requests).
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -361,13 +359,12 @@ class SGLangClient:
                     *(self.generate_one(prompt_ids, replace(params, seed=params.seed + j)) for j in range(n))
                 )
             )
-        if n == 1:
-            return [await self.generate_one(prompt_ids, params, rid)]
         prompt = [int(t) for t in prompt_ids]
         body = self._body(prompt, params, rid)
-        body["sampling_params"]["n"] = n
-        async with self._sem:
-            outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
+        if n > 1:
+            body["sampling_params"]["n"] = n
+        outs = await self._generate(body, routing_key)
+        outs = [outs] if n == 1 else outs
         if not isinstance(outs, list) or len(outs) != n:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SGLangHTTPError(self.url, "/generate", 200, f"group of n={n} answered with {got}")
@@ -461,8 +458,7 @@ class SGLangClient:
                 "logprob_start_len": [len(s) - k - 1 for s, k in zip(seqs, lens, strict=True)],
                 "rid": [f"acrl-score-{id(self):x}-{next(self._rid)}" for _ in seqs],
             }
-            async with self._sem:
-                outs = (await self._request("POST", "/generate", body, by_progress=True)).json()
+            outs = await self._generate(body)
             if not isinstance(outs, list) or len(outs) != len(seqs):
                 raise SGLangHTTPError(
                     self.url, "/generate", 200, f"scoring {len(seqs)} sequences: {outs!r:.200}"

@@ -52,8 +52,13 @@ from sglang_bridge.server import ChildProcess, _preexec, free_port, register_chi
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("cache_aware", "power_of_two", "round_robin", "random")
-"""Policies of a regular (not prefill/decode-split) router; ``manual`` needs routing keys."""
+POLICIES = ("cache_aware", "power_of_two", "round_robin", "random", "consistent_hashing")
+"""Policies of a regular (not prefill/decode-split) router. ``consistent_hashing`` routes by the
+request's ``X-SMG-Routing-Key`` header (:data:`sglang_bridge.client.ROUTING_KEY_HEADER`: an agent
+trajectory's id, so its turns find their prefix cache), a request without one at random. 0.3.2's
+``launch_router`` CLI does not offer it (its argparse choices stop at ``manual``), but the Rust
+router takes it through ``RouterArgs`` (``policy_from_str`` maps it), which is how :func:`main` starts
+the router."""
 
 
 class RouterError(RuntimeError):

@@ -16,6 +16,27 @@ import time
 import urllib.parse
 from typing import Any
 
+import orjson
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+"""What sglang-router's ``consistent_hashing`` policy hashes to pick a worker; servers ignore it."""
+
+
+class HTTPAnswer:
+    """A response: status and body (the aiohttp response is released before it is used)."""
+
+    __slots__ = ("status", "body")
+
+    def __init__(self, status: int, body: bytes):
+        self.status, self.body = status, body
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The headers that carry ``api_key`` (SGLang's bearer scheme); none without a key."""

@@ -12,7 +12,7 @@ from megatron_acrl.config.agent import AgentConfig
 Quantization = Literal["none", "fp8_block", "fp8_per_tensor", "fp8_per_channel"]
 
 
-RouterPolicy = Literal["cache_aware", "power_of_two", "round_robin", "random"]
+RouterPolicy = Literal["cache_aware", "power_of_two", "round_robin", "random", "consistent_hashing"]
 """sglang-router 0.3.2 policies usable for a regular (not prefill/decode-split) deployment; its
 ``manual`` policy needs a routing key per request and is not offered."""
 
@@ -199,7 +199,8 @@ class RolloutConfig(_Section):
     router_policy: RouterPolicy = "cache_aware"
     """sglang-router's policy (router: sglang): cache_aware (prefix-tree affinity, load balancing when
     the servers drift apart), power_of_two (the less loaded of two random servers), round_robin,
-    random."""
+    random, consistent_hashing (by the routing key an agent trajectory's turns carry: all its turns
+    to one server; other requests at random)."""
 
     router_port: int | None = None
     """Port of the router on 127.0.0.1 (only the driver talks to it); None picks a free one."""

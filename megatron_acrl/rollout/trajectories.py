@@ -19,6 +19,7 @@ from megatron_acrl.batch.staleness import token_versions
 from megatron_acrl.config import resolve_import_path
 from megatron_acrl.rollout.agent.envs import make_env
 from megatron_acrl.rollout.agent.loop import AgentFn, env_agent, load_agent, run_trajectory
+from megatron_acrl.rollout.agent.openai_server import close_endpoints
 from megatron_acrl.rollout.agent.session import AgentSession, Trajectory
 from megatron_acrl.rollout.agent.templates import QWEN_STYLE, TINY_CHATML, ChatTemplate
 from megatron_acrl.tasks.base import Prompt
@@ -101,11 +102,16 @@ class AgentRunner:
 
 async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[Trajectory]:
     runner = AgentRunner(ctx)
+    assert ctx.servers is not None
 
     async def one(sample: Prompt) -> Trajectory:
         return await runner.run(runner.session(f"traj-{next(_TRAJECTORY_IDS)}"), sample)
 
-    return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
+    try:
+        return list(await asyncio.gather(*(one(p) for p in prompts for _ in range(n))))
+    finally:  # this event loop's clients and OpenAI endpoint: asyncio.run closes the loop next
+        await close_endpoints()
+        await ctx.servers.aclose()
 
 
 def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:

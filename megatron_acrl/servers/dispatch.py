@@ -105,7 +105,9 @@ class Dispatch:
 
         ``affinity`` (e.g. an agent trajectory's id) pins the target: every request with the same key
         goes to the server the first one went to while that server is among ``targets``, so the
-        turns of one trajectory reuse its prefix cache; :meth:`unpin` forgets the key."""
+        turns of one trajectory reuse its prefix cache; :meth:`unpin` forgets the key. Through
+        sglang-router (not ``batched``) the key also goes as its routing-key header, which its
+        ``consistent_hashing`` policy hashes to one worker while that worker lives."""
         k = len(prompt_ids)
         with self._lock:
             url = self._pins.get(affinity) if affinity is not None else None
@@ -119,7 +121,7 @@ class Dispatch:
             if batched:
                 request = client.generate_batch(prompt_ids, [params] * k)
             else:
-                request = by_prompt(client, prompt_ids, params)
+                request = by_prompt(client, prompt_ids, params, routing_key=affinity)
         except BaseException:
             self.count(url, -k)
             raise
@@ -128,17 +130,25 @@ class Dispatch:
         return task
 
 
-async def by_prompt(client: Any, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+async def by_prompt(
+    client: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    routing_key: str | None = None,
+) -> list[Sample]:
     """One sample per prompt, each run of equal consecutive prompts (a group's samples) in one
     request with SGLang's ``n``: what sglang-router takes (0.3.2 refuses a batch of prompts in one
-    ``/generate``, HTTP 422). ``result[i]`` is prompt i's."""
+    ``/generate``, HTTP 422). ``result[i]`` is prompt i's; ``routing_key`` (the router's
+    consistent hashing) goes with each request."""
     runs: list[tuple[Sequence[int], int]] = []
     for p in prompt_ids:
         if runs and list(runs[-1][0]) == list(p):
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((p, 1))
-    parts = await asyncio.gather(*(client.generate_group(p, params, n) for p, n in runs))
+    extra = {"routing_key": routing_key} if routing_key is not None else {}
+    parts = await asyncio.gather(*(client.generate_group(p, params, n, **extra) for p, n in runs))
     return [s for part in parts for s in part]
 
 

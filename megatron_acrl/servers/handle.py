@@ -149,6 +149,7 @@ ROUTING_POLICY_CODE = {
     "power_of_two": 2.0,
     "round_robin": 3.0,
     "random": 4.0,
+    "consistent_hashing": 5.0,
 }
 """``rollout/router_policy``: the routing in effect (least_outstanding is the driver's own fan-out)."""
 

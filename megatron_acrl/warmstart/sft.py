@@ -33,6 +33,8 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
             cfg.training.sft_lr,
             cfg.training.sft_batch_size,
             cfg.training.seed,
+            # agent warm starts train tool-call traces; a key without an env stays what it was
+            *([f"agent-env={cfg.rollout.agent.env}"] if _traces(cfg) else []),
         ],
         sort_keys=True,
     )
@@ -47,11 +49,34 @@ def sft_batch(prompts: list[Any], tokenizer: Any, eos_id: int, pad_id: int) -> d
         aids = tokenizer.encode(p.answer, add_special_tokens=False) + [eos_id]
         seqs.append(pids + aids)
         masks.append([0] * len(pids) + [1] * len(aids))
-    width = max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-        tokens[i, : len(s)] = torch.tensor(s)
+    return _padded(list(zip(seqs, masks, strict=True)), pad_id)
+
+
+def _traces(cfg: Config) -> bool:
+    """Whether the warm start trains tool-call traces (the calculator env) instead of answers."""
+    return cfg.rollout.agent.env == "calculator"
+
+
+def trace_batch(prompts: list[Any], tokenizer: Any, pad_id: int) -> dict[str, torch.Tensor]:
+    """Correct calculator episodes (:mod:`megatron_acrl.warmstart.agent_traces`), right-padded; the
+    loss mask covers the assistant turns (the tool call, the answer, their end-of-turn ids)."""
+    from megatron_acrl.warmstart.agent_traces import calculator_trace, hf_render, trace_ids
+
+    render = hf_render(tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    rows = [trace_ids(calculator_trace(p.text, p.answer), render, encode) for p in prompts]
+    return _padded(rows, pad_id)
+
+
+def _padded(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for i, (ids, m) in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     zeros = torch.zeros_like(mask)
     return {
@@ -99,7 +124,11 @@ def sft_warmstart(
         trainer.dp_size * sft_cfg.training.micro_batch_size
     )
     for step in range(t.sft_steps):
-        metrics = trainer.train_step(sft_batch(list(itertools.islice(stream, n)), tokenizer, eos, pad))
+        prompts = list(itertools.islice(stream, n))
+        batch = (
+            trace_batch(prompts, tokenizer, pad) if _traces(cfg) else sft_batch(prompts, tokenizer, eos, pad)
+        )
+        metrics = trainer.train_step(batch)
         if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
             log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
     # As served: bf16, the base tokenizer. Two runs of the same key may both get here (no lock: the

@@ -123,8 +123,17 @@ class AgentSession:
         """Set by the async engine: the trajectory is too stale to train; every later turn ends it."""
         self.traj = Trajectory()
         self.history: list[Message] = []
+        # A turn ends on the template's end-of-turn token (ChatML's <|im_end|>) as well as on the
+        # model's EOS: the server stops there, so the turn's ids close it themselves.
+        eot = list(tokenizer.encode(template.end_of_turn))
+        self._stop = tuple(eot) if len(eot) == 1 else ()
         self._last_text: str | None = None
         self._last_closed = True
+
+    @property
+    def last_turn_closed(self) -> bool:
+        """Whether the last generated turn ended on the end-of-turn string (not cut by a limit)."""
+        return self._last_closed
 
     @property
     def length(self) -> int:
@@ -170,7 +179,10 @@ class AgentSession:
         room = self.max_tokens - self.length
         if room <= 0:
             raise TrajectoryEnd("max_tokens", f"{self.length} tokens >= {self.max_tokens}")
-        params = dataclasses.replace(self.params, max_new_tokens=min(self.params.max_new_tokens, room))
+        stop = tuple(dict.fromkeys((*self.params.stop_token_ids, *self._stop)))
+        params = dataclasses.replace(
+            self.params, max_new_tokens=min(self.params.max_new_tokens, room), stop_token_ids=stop
+        )
         ids = [*self.traj.prompt_ids, *self.traj.output_ids]
         sample = await self._request(ids, params)
         out = list(sample.output_ids)

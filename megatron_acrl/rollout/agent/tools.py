@@ -25,7 +25,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+"""One call's markup; group 1 is its JSON body."""
+_CALL_RE = TOOL_CALL_RE
 
 ParseErrorKind = Literal["malformed", "unknown_tool", "bad_arguments"]
 """Why a tool call could not be parsed: markup or JSON that does not parse, a name no tool in the

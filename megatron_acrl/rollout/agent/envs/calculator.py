@@ -12,6 +12,7 @@ from megatron_acrl.rollout.agent.envs.tool_env import ToolEnv
 from megatron_acrl.rollout.agent.tools import ToolRegistry
 from megatron_acrl.tasks.base import Prompt
 from megatron_acrl.tasks.gsm8k import extract_answer
+from megatron_acrl.warmstart.agent_traces import CALCULATOR_INSTRUCTIONS
 
 _BINARY = {
     ast.Add: operator.add,
@@ -95,11 +96,8 @@ def multiplication_prompts(n: int, seed: int = 0, digits: int = 3) -> list[Promp
     return out
 
 
-INSTRUCTIONS = (
-    "Use the calculator tool for arithmetic: "
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>. '
-    "Then give the final answer as a number."
-)
+INSTRUCTIONS = CALCULATOR_INSTRUCTIONS
+"""The system message (shared with the warm start's tool-call traces, which teach this format)."""
 
 
 class CalculatorEnv(ToolEnv):
