@@ -59,7 +59,14 @@ import torch
 
 from megatron_acrl.config import Config, ConfigError, RolloutConfig
 from megatron_acrl.servers.dispatch import Dispatch, LoadTally
-from megatron_acrl.servers.lora_sync import AdapterSync, adapter_mode, adapter_sync_for, lora_serving_for
+from megatron_acrl.servers.lora_sync import (
+    AdapterSync,
+    adapter_mode,
+    adapter_sync_for,
+    check_adapter_sync,
+    fake_quant_base,
+    lora_serving_for,
+)
 from megatron_acrl.servers.recovery import ServerRecovery
 from megatron_acrl.servers.transfer import (
     Meta,
@@ -202,6 +209,7 @@ class RolloutServers(ServerRecovery):
         # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
         self.stress = self.scheme is not None and r.stress_quantization
         check_fp8_mode(cfg, self.fp8_mode)  # before any server starts
+        check_adapter_sync(cfg)
         self._api_key = run_api_key(cfg)
         # Real FP8: the servers serve an FP8 copy of the checkpoint in the rollout's scheme (e4m3 +
         # scales + quantization_config, written once into the run directory), and the manifest every
@@ -213,6 +221,8 @@ class RolloutServers(ServerRecovery):
             self.served_dir = str(
                 served_fp8_checkpoint(self.model_dir, self.log_dir.parent / "served_fp8", self.scheme)
             )
+        elif self.scheme is not None and adapter_mode(cfg):  # adapters ride on a base quantized once
+            self.served_dir = str(fake_quant_base(cfg, self.model_dir, self.log_dir.parent / "served_fp8"))
         self.servers: list[SGLangServer] = []
         self.restarts = 0
         self.hung_restarts = 0

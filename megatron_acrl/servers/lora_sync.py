@@ -30,13 +30,16 @@ import base64
 import difflib
 import io
 import logging
+import os
 import pickle
 import re
+import shutil
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -44,9 +47,11 @@ import torch
 from torch import Tensor
 
 from megatron_acrl.batch.staleness import PREFIX, format_version
-from megatron_acrl.config import Config
+from megatron_acrl.config import Config, ConfigError
 from megatron_acrl.config.model import LoraConfig
+from megatron_acrl.servers.transfer import fp8_scheme, weights_for_servers
 from sglang_bridge.client import Sample, ServerGoneError
+from sglang_bridge.fp8 import quantize_named_tensors
 from sglang_bridge.server_spec import LoraServing
 from sglang_bridge.transport import auth_headers
 from sglang_bridge.weight_sync import Manifest, ManifestMismatchError, WeightSyncError
@@ -88,6 +93,22 @@ def adapter_mode(cfg: Config) -> bool:
     return cfg.model.lora is not None and cfg.model.lora.sync == "adapter"
 
 
+def check_adapter_sync(cfg: Config) -> None:
+    """Refuse, before any server starts, what adapter sync cannot do: evaluate the trainer's
+    unquantized weights (the servers' base is quantized once, at start-up; only adapters move)."""
+    if adapter_mode(cfg) and fp8_scheme(cfg) is not None and cfg.training.eval_trainer_weights:
+        raise ConfigError(
+            [
+                (
+                    "training.eval_trainer_weights",
+                    "evaluates the trainer's unquantized weights, but with model.lora.sync=adapter the "
+                    "servers' base is quantized once at start-up and only adapters move; turn it off "
+                    "or use model.lora.sync=merged",
+                )
+            ]
+        )
+
+
 def lora_serving_for(cfg: Config) -> LoraServing | None:
     """A server's LoRA engine under adapter sync (None otherwise): room in one batch for the base,
     every adapter version still in flight (async staleness) and the new one."""
@@ -113,6 +134,33 @@ def adapter_sync_for(cfg: Config, urls: list[str], served_dir: str, base: str, a
         api_key=api_key,
         timeout_s=cfg.rollout.sync_timeout_s,
     )
+
+
+def fake_quant_base(cfg: Config, model_dir: str, root: Path) -> Path:
+    """The base a CPU (fake-quant) server serves under adapter sync: ``model_dir``'s weights rounded
+    through the rollout's FP8 scheme exactly as a full sync would send them (stress emulations
+    included), written once under ``root`` and reused, so the base is quantized once, at start-up,
+    and a restarted server serves it too. (A real FP8 server serves the FP8 copy instead.)"""
+    from safetensors.torch import load_file, save_file
+
+    scheme = fp8_scheme(cfg)
+    assert scheme is not None, "fake_quant_base needs rollout.quantization"
+    src, dst = Path(model_dir), root / f"{Path(model_dir).name}-fake-{cfg.rollout.quantization}"
+    if (dst / "config.json").exists():
+        return dst
+    tmp = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(src.glob("*.safetensors")):
+        stream = weights_for_servers(cfg, load_file(str(f)).items(), quantize=True)
+        if not cfg.rollout.stress_quantization:  # the stress grids already rounded them
+            stream = quantize_named_tensors(stream, scheme, mode="fake")
+        save_file({k: v.contiguous() for k, v in stream}, str(tmp / f.name), metadata={"format": "pt"})
+    for other in src.iterdir():
+        if other.is_file() and other.suffix != ".safetensors":
+            shutil.copy2(other, tmp / other.name)
+    tmp.rename(dst)
+    return dst
 
 
 def adapter_name(label: str) -> str:
@@ -262,7 +310,7 @@ def serialize(adapter: Mapping[str, Tensor], dtype: torch.dtype) -> str:
     ``dtype``, base64 (bytes inline: any host, any TP rank; SGLang's safe unpickler accepts it)."""
     tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in adapter.items()}
     buf = io.BytesIO()
-    pickle.dump(tensors, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickle.dump(tensors, buf)  # the default protocol: what SGLang's safe unpickler was measured with
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -255,8 +255,9 @@ class WeightPublisher:
         return self._verdict(err, action, metrics, stoppable)
 
     def _adapter_state(self) -> dict[str, Tensor]:
-        """Every rank (a collective): the policy's adapters, PEFT-named full tensors on rank 0."""
-        return dict(self.policy.adapter_state())
+        """Every rank (a collective): the policy's adapters, PEFT-named full tensors on rank 0 (the
+        other ranks' are ignored: empty or None)."""
+        return dict(self.policy.adapter_state() or {})
 
     def _verdict(self, err: str, action: str | None, metrics: dict[str, float], stoppable: bool) -> Verdict:
         if not err:

@@ -395,3 +395,33 @@ def test_a_refused_adapter_is_not_retried() -> None:
     with pytest.raises(RuntimeError, match="failed: AdapterMismatchError"):
         _adapter_publisher(servers).push("step-1")
     assert servers.recovered == []
+
+
+def test_a_cpu_servers_base_is_fake_quantized_once_on_disk(tiny_ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from megatron_acrl.servers.lora_sync import fake_quant_base
+    from megatron_acrl.servers.transfer import fp8_scheme
+    from sglang_bridge.fp8 import fake_quantize
+
+    cfg = load_config(None, ["model.lora.rank=8", "rollout.quantization=fp8_per_channel"])
+    dst = fake_quant_base(cfg, str(tiny_ckpt), tmp_path)
+    assert fake_quant_base(cfg, str(tiny_ckpt), tmp_path) == dst and (dst / "config.json").exists()
+    src = load_file(str(next(tiny_ckpt.glob("*.safetensors"))))
+    got = load_file(str(next(dst.glob("*.safetensors"))))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    scheme = fp8_scheme(cfg)
+    assert scheme is not None and torch.equal(got[name], fake_quantize(src[name], scheme))
+    assert not torch.equal(got[name], src[name])
+    assert torch.equal(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+
+
+def test_adapter_sync_refuses_to_evaluate_unquantized_trainer_weights() -> None:
+    from megatron_acrl.config import ConfigError
+    from megatron_acrl.servers.lora_sync import check_adapter_sync
+
+    cfg = load_config(None, ["model.lora.rank=8", "training.eval_trainer_weights=true"])
+    with pytest.raises(ConfigError, match="model.lora.sync=merged"):
+        check_adapter_sync(cfg)
+    merged_sync = ["model.lora.rank=8", "model.lora.sync=merged", "training.eval_trainer_weights=true"]
+    check_adapter_sync(load_config(None, merged_sync))  # merged: the full sync evaluates them
