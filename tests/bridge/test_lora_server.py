@@ -142,6 +142,8 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
 ) -> None:
     url = lora_server.url
     adapters.push(make_adapter(lm, RANK, seed=3), "step-3")
+    adapters.retire_now()  # the earlier tests' versions: nothing in flight names them
+    assert served_adapters(url) == {"policy@v3"}
     params = SamplingParams(temperature=1.0, max_new_tokens=1500, ignore_eos=True, seed=None)
     dispatch = Dispatch(lambda u, cap: SGLangClient(u, max_concurrency=cap, timeout_s=600), adapters)
 
