@@ -90,20 +90,37 @@ def score(url: str, seqs: list[list[int]], lora_path: str | None) -> torch.Tenso
 
 
 def update_group_check(
-    sync: DistributedWeightSynchronizer, url: str, adapter: dict[str, torch.Tensor], name: str, vocab: int
-) -> tuple[float, int, float, float]:
-    """The same adapter (other values) broadcast through the update group under its PEFT and bare HF
-    names: returns (seconds, tensors sent, max |dlogp| of adapter ``name``, max |dlogp| of the base)."""
+    sync: DistributedWeightSynchronizer,
+    adapters: AdapterSync,
+    url: str,
+    adapter: dict[str, torch.Tensor],
+    vocab: int,
+) -> dict[str, float]:
+    """Other values of the current adapter broadcast through the update group under its PEFT and
+    bare HF names; then the same values loaded for real under another name. Returns max |dlogp| of
+    the current adapter: run to run (``noise``), across the broadcast (``moved``), and to what the
+    values serve when really loaded (``to_new``); the base's across the broadcast; the seconds."""
     seqs = [[(7 * i + 3 * j) % vocab for j in range(24)] for i in range(4)]
-    before = score(url, seqs, name), score(url, seqs, None)
-    other = {n: (-3.0 * t).to(torch.bfloat16) for n, t in adapter.items()}
-    items = [*other.items(), *((n[len(PEFT_PREFIX) :], t) for n, t in other.items())]
+    name = adapters.current or ""
+    before, base = score(url, seqs, name), score(url, seqs, None)
+    noise = float((score(url, seqs, name) - before).abs().max())
+    other = {n: -3.0 * t for n, t in adapter.items()}
+    items = [(n, t.bfloat16()) for n, t in other.items()]
+    items += [(n[len(PEFT_PREFIX) :], t) for n, t in items]
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
     flat = Bucket(items, torch.empty(nbytes, dtype=torch.uint8))
     seconds = raw_transfer(sync, flat)  # asserts the server answered success
-    after = score(url, seqs, name), score(url, seqs, None)
-    moved = [float((a - b).abs().max()) for a, b in zip(after, before, strict=True)]
-    return seconds, len(items), moved[0], moved[1]
+    after, base_after = score(url, seqs, name), score(url, seqs, None)
+    adapters.push(other, "update-group-values")
+    new = score(url, seqs, adapters.current)
+    return {
+        "seconds": seconds,
+        "tensors": float(len(items)),
+        "noise": noise,
+        "moved": float((after - before).abs().max()),
+        "to_new": float((after - new).abs().max()),
+        "base_moved": float((base_after - base).abs().max()),
+    }
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[str]:
@@ -129,19 +146,22 @@ def measure(args: argparse.Namespace, work: Path) -> list[str]:
             warm = sync.sync(named, "full-0")
             assert warm.num_bytes == full_bytes, (warm.num_bytes, full_bytes)
             t_ad: list[float] = []
+            parts: list[tuple[float, float, float]] = []
             t_full: list[float] = []
             for i in range(args.reps):
                 adapter = make_adapter(lm, args.rank, i + 1)
                 for which in ("adapter", "full") if i % 2 == 0 else ("full", "adapter"):
                     if which == "adapter":
-                        t_ad.append(adapters.push(adapter, f"step-{i + 1}")["sync/seconds"])
+                        m = adapters.push(adapter, f"step-{i + 1}")
+                        t_ad.append(m["sync/seconds"])
+                        parts.append((m["sync/validate_s"], m["sync/serialize_s"], m["sync/post_s"]))
                         adapters.retire_now()  # off the critical path in a run
                     else:
                         t_full.append(sync.sync(named, f"full-{i + 1}").seconds)
             try:
-                check = update_group_check(sync, url, adapter, adapters.current or "", args.vocab)
+                check = update_group_check(sync, adapters, url, adapter, args.vocab)
             except AssertionError as e:  # the server refused the bucket: it cannot load them either
-                check = (float("nan"), 2 * len(adapter), 0.0, 0.0)
+                check = {}
                 print(f"update group: the server refused the LoRA bucket: {e}")
         finally:
             sync.close()
@@ -156,12 +176,17 @@ def measure(args: argparse.Namespace, work: Path) -> list[str]:
         f"full sync (bf16): median {median(t_full):.4f}s of {args.reps} "
         f"[{' '.join(f'{x:.4f}' for x in t_full)}]; {full_bytes / 1e6:.1f} MB"
     )
-    seconds, sent, moved_ad, moved_base = check
-    print(
-        f"update group with {sent} LoRA tensors (PEFT and bare HF names, {seconds:.4f}s): server answered "
-        f"success; adapter log-probs moved {moved_ad:.2e}, base moved {moved_base:.2e}; "
-        f"loads LoRA: {'yes' if moved_ad > 1e-3 else 'no'}"
-    )
+    v, z, p = (median(x[k] for x in parts) for k in range(3))
+    print(f"adapter push median parts: validate {v:.4f}s, serialize {z:.4f}s, POST + server load {p:.4f}s")
+    if check:
+        loads = check["moved"] > 0.5 * check["to_new"]
+        print(
+            f"update group with {int(check['tensors'])} LoRA tensors (PEFT and bare HF names, "
+            f"{check['seconds']:.4f}s): server answered success; the served adapter's log-probs moved "
+            f"{check['moved']:.2e} (run-to-run {check['noise']:.2e}), the same values loaded for real "
+            f"serve {check['to_new']:.2e} away; base moved {check['base_moved']:.2e}; "
+            f"loads LoRA: {'yes' if loads else 'no'}"
+        )
     ratios = [a / f for a, f in zip(t_ad, t_full, strict=True)]
     print("per-rep adapter/full time: " + " ".join(f"{r:.3f}" for r in ratios))
     return [

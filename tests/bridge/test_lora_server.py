@@ -144,7 +144,7 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     adapters.push(make_adapter(lm, RANK, seed=3), "step-3")
     adapters.retire_now()  # the earlier tests' versions: nothing in flight names them
     assert served_adapters(url) == {"policy@v3"}
-    params = SamplingParams(temperature=1.0, max_new_tokens=1500, ignore_eos=True, seed=None)
+    params = SamplingParams(temperature=1.0, max_new_tokens=480, ignore_eos=True, seed=None)
     dispatch = Dispatch(lambda u, cap: SGLangClient(u, max_concurrency=cap, timeout_s=600), adapters)
 
     async def run() -> tuple[list[Any], int, int]:
@@ -160,13 +160,13 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     samples, in_flight, retired = asyncio.run(run())
     assert in_flight == 1 and retired == 0, "the request ended before v4 was loaded: lengthen it"
     assert [s.weight_version for s in samples] == ["step-3", "step-3"]
-    assert all(s.weight_versions == [{"version": "step-3", "start": 0, "end": 1500}] for s in samples)
+    assert all(s.weight_versions == [{"version": "step-3", "start": 0, "end": 480}] for s in samples)
     # Every token came from v3 (the adapter the request acquired), none from v4 loaded meanwhile.
     seqs = [s.prompt_ids + s.output_ids for s in samples]
 
     async def rescore(name: str) -> list[list[float]]:
         async with SGLangClient(url) as c:
-            return await c.score(seqs, [1500, 1500], lora_path=name)
+            return await c.score(seqs, [480, 480], lora_path=name)
 
     got = torch.tensor([s.rollout_logprobs for s in samples])
     v3, v4 = (torch.tensor(asyncio.run(rescore(n))) for n in ("policy@v3", "policy@v4"))
@@ -193,7 +193,7 @@ def test_a_restarted_server_gets_the_adapter_back(tiny_ckpt: Path, lm: LoraManif
             f"model.lora.rank={RANK}",
             f"model.lora.alpha={ALPHA}",
             "rollout.startup_timeout_s=600",
-            "rollout.sync_timeout_s=120",
+            "rollout.weight_sync_timeout_s=120",
             "rollout.weight_sync=rank0",
         ],
     )
