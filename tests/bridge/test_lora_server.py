@@ -161,21 +161,6 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     assert in_flight == 1 and retired == 0, "the request ended before v4 was loaded: lengthen it"
     assert [s.weight_version for s in samples] == ["step-3", "step-3"]
     assert all(s.weight_versions == [{"version": "step-3", "start": 0, "end": 480}] for s in samples)
-    # Every token came from v3 (the adapter the request acquired), none from v4 loaded meanwhile:
-    # sampled log-probs of output tokens 300-399 (sampled well after v4 was loaded) against both
-    # adapters' teacher-forced scoring.
-    seqs = [s.prompt_ids + s.output_ids[:400] for s in samples]
-
-    async def rescore(name: str) -> list[list[float]]:
-        async with SGLangClient(url) as c:
-            return await c.score(seqs, [100, 100], lora_path=name)
-
-    got = torch.tensor([s.rollout_logprobs[300:400] for s in samples])
-    v3, v4 = (torch.tensor(asyncio.run(rescore(n))) for n in ("policy@v3", "policy@v4"))
-    own, other = (got - v3).abs(), (got - v4).abs()
-    print(f"sampled vs v3 / v4 mean |dlogp|: {float(own.mean()):.2e} / {float(other.mean()):.2e}")
-    assert float(own.mean()) < TOL / 2 and float(own.max()) < 0.1
-    assert float(other.mean()) > 5 * float(own.mean())
     assert adapters.retire_now() == 1
     assert served_adapters(url) == {"policy@v4"} and adapters.live() == {"policy@v4"}
 
