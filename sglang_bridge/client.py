@@ -60,7 +60,7 @@ import orjson
 from tqdm.auto import tqdm
 
 from sglang_bridge.progress import ServerProgress
-from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts
+from sglang_bridge.samples import Sample, SamplingParams, decode_routed_experts, target_logprobs
 from sglang_bridge.transport import (
     ROUTING_KEY_HEADER,
     ControlConnections,
@@ -275,6 +275,8 @@ class SGLangClient:
             "logprob_start_len": len(prompt) - 1,
             "rid": rid or f"acrl-{id(self):x}-{next(self._rid)}",
         }
+        if params.lora_path is not None:
+            body["lora_path"] = params.lora_path
         if self.routed_experts_topk:
             # From position 0: the prompt's routing shapes the KV every output token attends to.
             body.update(return_routed_experts=True, routed_experts_start_len=0)
@@ -327,6 +329,8 @@ class SGLangClient:
         bodies = [self._body(p, sp, None) for p, sp in zip(flat, params, strict=True)]
         per_sample = ("input_ids", "sampling_params", "logprob_start_len", "rid")
         body = {k: [b[k] for b in bodies] for k in per_sample}
+        if any(sp.lora_path != params[0].lora_path for sp in params):
+            body["lora_path"] = [sp.lora_path for sp in params]  # one adapter (None: base) each
         body.update({k: v for k, v in bodies[0].items() if k not in body})  # the scalar fields
         outs = await self._generate(body)
         if not isinstance(outs, list) or len(outs) != len(flat):
@@ -432,14 +436,20 @@ class SGLangClient:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def score(
-        self, sequences: Sequence[Sequence[int]], target_lens: Sequence[int], per_request: int = 256
+        self,
+        sequences: Sequence[Sequence[int]],
+        target_lens: Sequence[int],
+        per_request: int = 256,
+        *,
+        lora_path: str | None = None,
     ) -> list[list[float]]:
         """Teacher-forced log-probs of the last ``target_lens[i]`` tokens of ``sequences[i]`` under
         the served weights (and KV cache): ``/generate`` with ``max_new_tokens`` 0, ``return_logprob``
         and ``logprob_start_len`` one before the targets. SGLang 0.5.23 returns these prompt log-probs
         (``input_token_logprobs``) of the *unscaled* logits, whatever the request's temperature, and
         ``None`` at ``logprob_start_len`` itself; a prefix cached in the radix tree is not reused past
-        ``logprob_start_len``, so every target is recomputed. Returns ``[i][j]``: log p(target j)."""
+        ``logprob_start_len``, so every target is recomputed. ``lora_path``: score with that loaded
+        LoRA adapter (None: the base weights). Returns ``[i][j]``: log p(target j)."""
         if len(sequences) != len(target_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(target_lens)} target lengths")
         flat = [[int(t) for t in s] for s in sequences]
@@ -458,12 +468,14 @@ class SGLangClient:
                 "logprob_start_len": [len(s) - k - 1 for s, k in zip(seqs, lens, strict=True)],
                 "rid": [f"acrl-score-{id(self):x}-{next(self._rid)}" for _ in seqs],
             }
+            if lora_path is not None:
+                body["lora_path"] = lora_path
             outs = await self._generate(body)
             if not isinstance(outs, list) or len(outs) != len(seqs):
                 raise SGLangHTTPError(
                     self.url, "/generate", 200, f"scoring {len(seqs)} sequences: {outs!r:.200}"
                 )
-            return [_target_logprobs(o, s, k, self.url) for o, s, k in zip(outs, seqs, lens, strict=True)]
+            return [target_logprobs(o, s, k, self.url) for o, s, k in zip(outs, seqs, lens, strict=True)]
 
         parts = await asyncio.gather(*(chunk(lo) for lo in range(0, len(flat), per_request)))
         return [x for part in parts for x in part]
@@ -570,18 +582,6 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> Any:
         return await self._post("/destroy_weights_update_group", {"group_name": group_name})
-
-
-def _target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> list[float]:
-    """The last ``k`` entries of one scoring answer's ``input_token_logprobs`` (``[logprob, token,
-    text]`` each), checked against the sequence's own tokens."""
-    entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
-    tail = entries[-k:]
-    if len(tail) != k or any(e[0] is None or int(e[1]) != t for e, t in zip(tail, seq[-k:], strict=True)):
-        raise SGLangHTTPError(
-            url, "/generate", 200, f"scoring answered {entries!r:.200} for the last {k} tokens of {seq}"
-        )
-    return [float(e[0]) for e in tail]
 
 
 __all__ = [

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from sglang_bridge.transport import SGLangHTTPError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     """Per-request sampling seed (``sampling_seed``); None lets the server draw."""
+    lora_path: str | None = None
+    """The loaded LoRA adapter to sample with (SGLang's request-level ``lora_path``, a name given to
+    ``/load_lora_adapter_from_tensors``); None: the base weights. Not a ``sampling_params`` field."""
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -81,3 +86,15 @@ def decode_routed_experts(encoded: str, num_positions: int, topk: int) -> np.nda
             f"num_layers x top_k={topk}"
         )
     return flat.reshape(num_positions, flat.size // per_row, topk).copy()
+
+
+def target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> list[float]:
+    """The last ``k`` entries of one scoring answer's ``input_token_logprobs`` (``[logprob, token,
+    text]`` each), checked against the sequence's own tokens."""
+    entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+    tail = entries[-k:]
+    if len(tail) != k or any(e[0] is None or int(e[1]) != t for e, t in zip(tail, seq[-k:], strict=True)):
+        raise SGLangHTTPError(
+            url, "/generate", 200, f"scoring answered {entries!r:.200} for the last {k} tokens of {seq}"
+        )
+    return [float(e[0]) for e in tail]

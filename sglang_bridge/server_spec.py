@@ -18,6 +18,49 @@ from sglang_bridge.listeners import is_loopback
 
 
 @dataclass(frozen=True)
+class LoraServing:
+    """SGLang's LoRA engine on a server (``--enable-lora``): adapters are loaded at run time
+    (``/load_lora_adapter_from_tensors``) and requests name one (``lora_path``)."""
+
+    max_rank: int
+    """``--max-lora-rank``: the largest adapter rank the server's pool takes (required without
+    ``--lora-paths``)."""
+
+    target_modules: tuple[str, ...]
+    """``--lora-target-modules``: the HF module names adapters may sit on (q_proj, k_proj, ...)."""
+
+    max_loras_per_batch: int = 4
+    """``--max-loras-per-batch``: adapters one batch may mix (the base counts as one): keep it above
+    the versions live at once."""
+
+    backend: str = "torch_native"
+    """``--lora-backend``; on CPU only torch_native works (the Triton ones kill the server at the
+    first LoRA request)."""
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1 or not self.target_modules or self.max_loras_per_batch < 2:
+            raise ValueError(
+                f"LoraServing(max_rank={self.max_rank}, target_modules={self.target_modules}, "
+                f"max_loras_per_batch={self.max_loras_per_batch}): give a rank >= 1, at least one "
+                "target module and room for the base and one adapter (max_loras_per_batch >= 2)"
+            )
+
+    def args(self) -> list[str]:
+        """The ``launch_server`` flags."""
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_rank),
+            "--lora-target-modules",
+            *self.target_modules,
+            "--lora-backend",
+            self.backend,
+            "--max-loras-per-batch",
+            str(self.max_loras_per_batch),
+        ]
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """How to launch one SGLang server (``python -m sglang.launch_server``)."""
 
@@ -83,6 +126,10 @@ class ServerSpec:
     """Block the scheduler on its sockets while no request is queued (``--sleep-on-idle``). Without it
     an idle SGLang scheduler polls in a busy loop and keeps one CPU core at 100%: on a small CPU
     machine that core is taken from the trainer (and from a second server) for the whole run."""
+
+    lora: LoraServing | None = None
+    """Serve LoRA adapters (SGLang's LoRA engine); on cpu also the ``lora_cpu`` patch of
+    :mod:`sglang_bridge.cpu_compat` (SGLang's LoRA layers pin host memory, which a CPU torch cannot)."""
 
     extra_args: tuple[str, ...] = ()
     """Further ``launch_server`` flags, passed verbatim."""
@@ -172,6 +219,8 @@ class ServerSpec:
             cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.sleep_on_idle:
             cmd += ["--sleep-on-idle"]
+        if self.lora is not None:
+            cmd += self.lora.args()
         return cmd + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -181,6 +230,7 @@ class ServerSpec:
             self.device,
             routed_experts=self.return_routed_experts,
             fp8_kv_cache=self.kv_cache_dtype == "fp8_e4m3",
+            lora=self.lora is not None,
         )
         if self.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)

@@ -13,16 +13,22 @@ owns the rest:
   groups to the others) and :meth:`Dispatch.send` (one batched request to the target with the fewest
   samples in flight, counted at the call, so a caller that waits for "nothing in flight" never
   misses a request that has not started yet). Through sglang-router, which takes one prompt per
-  request, the samples of one prompt go as one request with ``n`` instead (:func:`by_prompt`).
+  request, the samples of one prompt go as one request with ``n`` instead (:func:`by_prompt`);
+* with LoRA adapters on the servers (``model.lora.sync: adapter``), the adapter each request names:
+  the current version when it is sent (``lora_path``), counted until it ends so that an old version
+  is unloaded only once no request names it, and recorded on its samples as their version
+  (:mod:`megatron_acrl.servers.lora_sync`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
+from megatron_acrl.servers.lora_sync import stamp
 from sglang_bridge.fanout import FanOutResult, fan_out
 from sglang_bridge.samples import Sample, SamplingParams
 
@@ -33,10 +39,14 @@ class Dispatch:
     Args:
         new_client: ``(url, max_concurrency) -> client`` (an :class:`sglang_bridge.client.SGLangClient`
             or anything with its ``generate_group`` / ``generate_batch`` / ``health`` / ``aclose``).
+        adapters: the servers' LoRA adapter versions (an
+            :class:`~megatron_acrl.servers.lora_sync.AdapterSync`: ``acquire`` / ``release``), or None
+            when they serve full weights.
     """
 
-    def __init__(self, new_client: Callable[[str, int], Any]):
+    def __init__(self, new_client: Callable[[str, int], Any], adapters: Any = None):
         self._new_client = new_client
+        self.adapters = adapters
         self._lock = threading.Lock()  # the engine's loop thread and the trainer's thread both count
         self._counts: dict[str, int] = {}
         self._pins: dict[str, str] = {}  # affinity key -> the target its first request went to
@@ -84,7 +94,7 @@ class Dispatch:
     ) -> FanOutResult:
         """``n`` samples of each prompt over ``targets``, ``cap`` requests in flight on each
         (:func:`sglang_bridge.fanout.fan_out`); ``result.groups[i]`` holds prompt i's."""
-        clients = [_Counted(self, self.client(u, cap)) for u in targets]
+        clients = [_Counted(self, self.client(u, cap), self.adapters) for u in targets]
         return await fan_out(
             clients, prompt_ids, params, n, max_in_flight=cap, samples_per_request=samples_per_request
         )
@@ -116,18 +126,28 @@ class Dispatch:
                 if affinity is not None:
                     self._pins[affinity] = url
             self._counts[url] = self._counts.get(url, 0) + k
+        adapter = self.adapters.acquire() if self.adapters is not None else None
         try:
             client = self.client(url, cap)
+            if adapter is not None:
+                params = replace(params, lora_path=adapter)
             if batched:
                 request = client.generate_batch(prompt_ids, [params] * k)
             else:
                 request = by_prompt(client, prompt_ids, params, routing_key=affinity)
+            if adapter is not None:
+                request = _stamped(request, adapter)
         except BaseException:
-            self.count(url, -k)
+            self._done(url, k, adapter)
             raise
         task = asyncio.ensure_future(request)
-        task.add_done_callback(lambda _t: self.count(url, -k))
+        task.add_done_callback(lambda _t: self._done(url, k, adapter))
         return task
+
+    def _done(self, url: str, samples: int, adapter: str | None) -> None:
+        self.count(url, -samples)
+        if self.adapters is not None:
+            self.adapters.release(adapter)
 
 
 async def by_prompt(
@@ -152,21 +172,30 @@ async def by_prompt(
     return [s for part in parts for s in part]
 
 
+async def _stamped(request: Awaitable[list[Sample]], adapter: str) -> list[Sample]:
+    return stamp(await request, adapter)
+
+
 class _Counted:
     """A client whose group requests count in :class:`Dispatch`'s in-flight tally (what
-    :func:`~sglang_bridge.fanout.fan_out` calls)."""
+    :func:`~sglang_bridge.fanout.fan_out` calls), naming the current adapter with LoRA."""
 
-    def __init__(self, dispatch: Dispatch, client: Any):
+    def __init__(self, dispatch: Dispatch, client: Any, adapters: Any = None):
         self._dispatch = dispatch
         self._client = client
+        self._adapters = adapters
         self.url = client.url
 
     async def generate_group(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Sample]:
         self._dispatch.count(self.url, n)
+        adapter = self._adapters.acquire() if self._adapters is not None else None
         try:
-            return await self._client.generate_group(prompt_ids, params, n)
+            if adapter is None:
+                return await self._client.generate_group(prompt_ids, params, n)
+            samples = await self._client.generate_group(prompt_ids, replace(params, lora_path=adapter), n)
+            return stamp(samples, adapter)
         finally:
-            self._dispatch.count(self.url, -n)
+            self._dispatch._done(self.url, n, adapter)
 
     async def health(self) -> bool:
         health = getattr(self._client, "health", None)

@@ -39,6 +39,11 @@ loses no group of a blocking generation: its groups go to the others (the router
 itself), it is taken out of rotation at once, and only after its restart *and* a weight sync
 (:meth:`RolloutServers.update_weights`) does it serve again, so a restarted server never samples with
 the initial weights.
+
+With ``model.lora.sync: adapter`` the servers run SGLang's LoRA engine (``ServerSpec.lora``) and each
+push loads only the adapters, under a versioned name that every later request names
+(:meth:`RolloutServers.update_adapter`, :mod:`megatron_acrl.servers.lora_sync`); the base weights
+stay as the servers loaded them.
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ import torch
 
 from megatron_acrl.config import Config, ConfigError, RolloutConfig
 from megatron_acrl.servers.dispatch import Dispatch, LoadTally
+from megatron_acrl.servers.lora_sync import (
+    AdapterSync,
+    adapter_mode,
+    adapter_sync_for,
+    check_adapter_sync,
+    fake_quant_base,
+    lora_serving_for,
+)
 from megatron_acrl.servers.recovery import ServerRecovery
 from megatron_acrl.servers.transfer import (
     Meta,
@@ -197,6 +210,7 @@ class RolloutServers(ServerRecovery):
         # synchronizer, which then sends plain bf16: no FP8 kernel serves those grids.
         self.stress = self.scheme is not None and r.stress_quantization
         check_fp8_mode(cfg, self.fp8_mode)  # before any server starts
+        check_adapter_sync(cfg)
         self._api_key = run_api_key(cfg)
         # Real FP8: the servers serve an FP8 copy of the checkpoint in the rollout's scheme (e4m3 +
         # scales + quantization_config, written once into the run directory), and the manifest every
@@ -208,6 +222,8 @@ class RolloutServers(ServerRecovery):
             self.served_dir = str(
                 served_fp8_checkpoint(self.model_dir, self.log_dir.parent / "served_fp8", self.scheme)
             )
+        elif self.scheme is not None and adapter_mode(cfg):  # adapters ride on a base quantized once
+            self.served_dir = str(fake_quant_base(cfg, self.model_dir, self.log_dir.parent / "served_fp8"))
         self.servers: list[SGLangServer] = []
         self.restarts = 0
         self.hung_restarts = 0
@@ -222,10 +238,17 @@ class RolloutServers(ServerRecovery):
         self.urls = self._start()
         self.synchronizer: DistributedWeightSynchronizer | None = None
         self._connect()
+        self.adapters: AdapterSync | None = (
+            adapter_sync_for(cfg, self.urls, self.served_dir, self.model_dir, self.api_key)
+            if adapter_mode(cfg)
+            else None
+        )
+        """The LoRA adapter versions on the servers (``model.lora.sync: adapter``), else None."""
+        self._adapter_restarts = 0  # self.restarts at the last adapter push
         self.router: SGLangRouter | None = None
         self._routed: set[str] = set()  # the URLs the router routes to (hold the current weights)
         self._load = LoadTally({u: k for k, u in enumerate(self.urls)})
-        self.dispatch = Dispatch(self._client)
+        self.dispatch = Dispatch(self._client, self.adapters)
         """The one dispatch path of every generation request (module doc)."""
         if r.router == "sglang":
             self.router = self._start_router()
@@ -280,6 +303,7 @@ class RolloutServers(ServerRecovery):
             random_seed=self.cfg.training.seed + i,
             return_routed_experts=routed_experts_topk(self.cfg) is not None,
             kv_cache_dtype=r.kv_cache_dtype,
+            lora=lora_serving_for(self.cfg),
         )
         return SGLangServer(
             spec, self.log_dir / f"sglang_{i}.log", startup_timeout_s=r.startup_timeout_s, name=f"sglang[{i}]"
@@ -410,11 +434,15 @@ class RolloutServers(ServerRecovery):
     def pause(self, mode: str = "retract") -> None:
         """Pause generation on every live server (``rollout.pause_mode``'s modes); a weight sync
         pauses and continues on its own."""
+        if self.adapters is not None:  # an unload now would wait on the retracted requests
+            self.adapters.paused = True
         self._each_live_server(lambda c: c.pause_generation(mode))  # type: ignore[arg-type]
 
     def resume(self) -> None:
         """Continue generation on every live server."""
         self._each_live_server(lambda c: c.continue_generation())
+        if self.adapters is not None:
+            self.adapters.paused = False
 
     def _each_live_server(self, call: Any) -> None:
         dead = set(self.dead_servers())
@@ -470,14 +498,20 @@ class RolloutServers(ServerRecovery):
         at temperature 1 (:meth:`SGLangClient.score`), from the first server (all hold the same
         weights); raises :class:`ServerGoneError` if it died."""
 
+        adapter = self.adapters.acquire() if self.adapters is not None else None
+
         async def run() -> list[list[float]]:
             try:
                 client = self.dispatch.client(self.urls[0], self.cfg.rollout.max_concurrency)
-                return await client.score(sequences, target_lens)
+                return await client.score(sequences, target_lens, lora_path=adapter)
             finally:
                 await self.dispatch.aclose()
 
-        return asyncio.run(run())
+        try:
+            return asyncio.run(run())
+        finally:
+            if self.adapters is not None:
+                self.adapters.release(adapter)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -514,6 +548,20 @@ class RolloutServers(ServerRecovery):
             metrics["sync/busiest_source_share"] = max(report.sources.values()) / max(report.num_bytes, 1)
         return metrics
 
+    def update_adapter(self, adapter: dict[str, torch.Tensor], version: str) -> dict[str, float]:
+        """Load the LoRA adapter (PEFT names -> full tensors, rank 0 holds all) as weight version
+        ``version`` on every server and send new requests to it (:class:`AdapterSync`); dead
+        servers are restarted first and get it too. Returns sync metrics."""
+        assert self.adapters is not None, "update_adapter needs model.lora.sync=adapter"
+        if self.dead_servers():
+            self.restart()
+        # fresh servers (a restart here or by the recovery since the last push) hold no adapter yet
+        self.adapters.servers_changed(self.urls, restarted=self.restarts != self._adapter_restarts)
+        metrics = self.adapters.push(adapter, version)
+        self._adapter_restarts = self.restarts
+        self._sync_router()
+        return {**metrics, "sync/adapter": 1.0}
+
     def close(self) -> None:
         """Stop the router, leave the update group, stop the servers. A hung server would hold the
         group's teardown (``destroy_weights_update_group``) for a full request timeout, so hung ones
@@ -521,6 +569,8 @@ class RolloutServers(ServerRecovery):
         if self.router is not None:
             self.router.stop()
             self.router = None
+        if self.adapters is not None:
+            self.adapters.close()
         if self.synchronizer is not None:
             for i, why in self.hung_servers(CLOSE_PROBE_TIMEOUT_S).items():
                 s = self.servers[i]

@@ -18,6 +18,13 @@ retries of a failed push with the servers' recovery, and the stop rule:
   servers are going down with the job (SLURM's preemption), so :meth:`~WeightPublisher.publish`
   ends the step without them (``sync/stopped`` = 1, :attr:`~WeightPublisher.servers_gone`) and the
   loop checkpoints it; the resume pushes the served version to the new servers.
+* **Adapters only** (``model.lora.sync: adapter``). A push gathers the policy's LoRA adapters to
+  rank 0 (``policy.adapter_state()``, a collective every rank joins: PEFT-named full tensors on
+  rank 0) and loads them on every server under the version's name
+  (:meth:`~megatron_acrl.servers.handle.RolloutServers.update_adapter`,
+  :mod:`megatron_acrl.servers.lora_sync`); the base weights the servers loaded stay. Retries,
+  recovery and the stop rule are the same; a restarted server gets the current adapter at the retry.
+  The lag buffer then holds adapter sets (a few MB each instead of the model).
 * **The lag buffer.** With L = 0 the policy's weights are sent as they are; with L > 0 rank 0 keeps
   host copies of the versions from the served one up to the trainer's (at most L + 1 sets of
   HF-named tensors, in the dtype the stream yields: (L + 1) x the model's bf16 size on rank 0's
@@ -42,6 +49,7 @@ from torch import Tensor
 
 from megatron_acrl.batch.staleness import format_version
 from megatron_acrl.config import Config, ConfigError
+from megatron_acrl.servers.lora_sync import adapter_mode
 from megatron_acrl.servers.transfer import push_from_source, recovery
 from megatron_acrl.world.distributed import log0
 from megatron_acrl.world.vote import ERROR, OK, RETRY, STOPPED, StoppedWithoutServers, Verdict, vote
@@ -110,6 +118,8 @@ class WeightPublisher:
         self.stopping = stopping
         self.log_dir = log_dir
         self.lag = cfg.rollout.weight_lag_steps
+        self.adapters = adapter_mode(cfg)
+        """Push the LoRA adapters only (``model.lora.sync: adapter``), else the full weights."""
         self.version = 0
         """The version the servers serve."""
         self.sets: dict[int, NamedTensors] = {}
@@ -197,6 +207,8 @@ class WeightPublisher:
     ) -> Verdict:
         """One try on this rank; rank 0's verdict (:mod:`megatron_acrl.world.vote`) is ``(OK,
         metrics)``, ``(RETRY, (error, recovery))``, ``(ERROR, error)`` or ``(STOPPED, error)``."""
+        if self.adapters:
+            return self._push_adapter_once(label, weights, stoppable)
         per_source = self.cfg.rollout.weight_sync == "per_source"
         if weights is not None:  # the lag buffer: rank 0 holds the whole set and sends it
             stream, meta = iter(weights), None
@@ -223,6 +235,31 @@ class WeightPublisher:
                 pass
         except Exception as e:  # noqa: BLE001 - a stream that fails here still reaches the vote
             err = err or f"{type(e).__name__}: {e}"
+        return self._verdict(err, action, metrics, stoppable)
+
+    def _push_adapter_once(
+        self, label: str, weights: Sequence[tuple[str, Tensor]] | None, stoppable: bool
+    ) -> Verdict:
+        """One adapter push on this rank (module doc): every rank joins the gather, rank 0 loads."""
+        metrics: dict[str, float] = {}
+        err, action = "", None
+        try:
+            adapter = dict(weights) if weights is not None else self._adapter_state()
+            if self.servers is not None:
+                if stoppable and self.stopping() and (dead := self.servers.dead_servers()):
+                    raise RuntimeError(f"server(s) {dead} gone")
+                metrics = self.servers.update_adapter(adapter, label)
+        except Exception as e:  # noqa: BLE001 - reported to all ranks, then retried or raised
+            err = f"{type(e).__name__}: {e}"
+            action = recovery(e, bool(self.servers.dead_servers())) if self.servers is not None else None
+        return self._verdict(err, action, metrics, stoppable)
+
+    def _adapter_state(self) -> dict[str, Tensor]:
+        """Every rank (a collective): the policy's adapters, PEFT-named full tensors on rank 0 (the
+        other ranks' are ignored: empty or None)."""
+        return dict(self.policy.adapter_state() or {})
+
+    def _verdict(self, err: str, action: str | None, metrics: dict[str, float], stoppable: bool) -> Verdict:
         if not err:
             if self.servers is not None:
                 metrics["sync/restarts"] = float(self.servers.restarts)
@@ -260,7 +297,13 @@ class WeightPublisher:
         return metrics
 
     def _capture(self, version: int) -> None:
-        """Every rank walks the policy's HF stream; rank 0 keeps a copy as ``version``."""
+        """Every rank walks the policy's HF stream (its adapters, under adapter sync); rank 0 keeps a
+        copy as ``version``."""
+        if self.adapters:
+            adapter = self._adapter_state()
+            if self.rank == 0:
+                self.sets[version] = [(name, t.detach().clone()) for name, t in adapter.items()]
+            return
         stream = self.policy.hf_weights(all_stages=True)
         if self.rank == 0:
             self.sets[version] = [(name, t.detach().clone()) for name, t in stream]

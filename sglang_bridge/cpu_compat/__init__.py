@@ -19,7 +19,9 @@ CPU torch.
    allocator (SGLang would pin it with ``cudaHostRegister`` and die at start-up); ``fp8_kv`` emulates
    an FP8 (e4m3) KV cache, which SGLang's CPU engine only offers with Intel AMX kernels. Every CPU
    server also gets ``paused_sleep``: with ``--sleep-on-idle`` a *paused* scheduler (a weight update)
-   sleeps on its sockets like an idle one instead of spinning on a core.
+   sleeps on its sockets like an idle one instead of spinning on a core. Servers with LoRA adapters
+   get ``lora_cpu``: SGLang's LoRA layers and its torch_native LoRA backend pin host memory
+   (``pin_memory=True``, ``Tensor.pin_memory()``), which a CPU torch refuses at start-up.
 5. Every server, CPU or CUDA, gets the hook ``bound_stores``: the TCP store of SGLang's own TP group
    listens on the server's bind address only (loopback for a loopback or wildcard ``--host``), not on
    every interface.
@@ -72,12 +74,14 @@ def server_env(
     *,
     routed_experts: bool = False,
     fp8_kv_cache: bool = False,
+    lora: bool = False,
 ) -> dict[str, str]:
     """Environment for an SGLang server child process on ``device`` ("cpu" or "cuda").
 
     Starts from ``base`` (default: this process's environment). For ``cpu`` it adds the variables
     above and the stand-in directory, and the patches asked for: ``routed_experts`` (the R3 allocator
-    fix) and ``fp8_kv_cache`` (the emulated FP8 KV cache), plus ``paused_sleep`` always. For ``cuda``
+    fix), ``fp8_kv_cache`` (the emulated FP8 KV cache) and ``lora`` (LoRA without pinned memory), plus
+    ``paused_sleep`` always. For ``cuda``
     it leaves SGLang's real kernels alone (there the FP8 KV cache is SGLang's own,
     ``--kv-cache-dtype fp8_e4m3``). Both get ``bound_stores``.
     """
@@ -94,7 +98,8 @@ def server_env(
     hooks = []
     if device == "cpu":
         env.update(CPU_SERVER_ENV)
-        hooks = [name for name, on in (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache)) if on]
+        asked = (("r3_alloc", routed_experts), ("fp8_kv", fp8_kv_cache), ("lora_cpu", lora))
+        hooks = [name for name, on in asked if on]
         hooks.append("paused_sleep")  # every CPU server: a no-op unless it runs with --sleep-on-idle
         path.append(str(STAND_IN_DIR))
     hooks.append("bound_stores")  # every server

@@ -26,6 +26,13 @@ meta-path finder wrapping the real loader) and changes nothing else.
   send; with the patch the same as unpaused. The patch makes the paused branch take the idle sleep
   (a zmq poll on the request sockets: it wakes as soon as the next request arrives). Without
   ``--sleep-on-idle`` SGLang has no sleeper and the patch changes nothing.
+* ``lora_cpu`` (CPU servers with ``--enable-lora``): SGLang's LoRA layers (``srt/lora/layers.py``) and
+  its torch_native backend (``srt/lora/backend/torch_backend.py``) allocate host buffers with
+  ``pin_memory=True`` and call ``Tensor.pin_memory()``; a CPU torch has no pinned allocator and the
+  server dies at start-up (``RuntimeError: pin_memory=True requires a CUDA or other accelerator
+  backend``). Pinning only speeds host-to-device copies, and there is no device: the patch drops
+  ``pin_memory`` from torch's tensor factories and makes ``Tensor.pin_memory()`` return the tensor,
+  only when no accelerator is available (a GPU host keeps real pinning).
 * ``bound_stores`` (every server, CPU and CUDA): SGLang's TP group rendezvous
   (``init_process_group("tcp://<--host>:<port>")``) hosts a torch TCPStore, which listens on every
   interface whatever the address; the patch hosts it on ``--host``'s address only (loopback when
@@ -85,6 +92,29 @@ def _patch_paused_sleep(module: types.ModuleType) -> None:
     scheduler._record_scheduler_state_for_paused_engine = paused_turn
 
 
+_PINNING_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "as_tensor")
+
+
+def _patch_lora_cpu(module: types.ModuleType) -> None:
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch, "_bridge_unpinned", False):
+        return  # real pinning on an accelerator host; applied once per process
+
+    def unpinned(factory):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            kwargs.pop("pin_memory", None)  # no pinned allocator: plain host memory is the same thing
+            return factory(*args, **kwargs)
+
+        call.__wrapped__ = factory
+        return call
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch._bridge_unpinned = True
+
+
 def _patch_bound_stores(module: types.ModuleType) -> None:
     create = module._create_c10d_store
 
@@ -105,6 +135,8 @@ PATCHES: dict[str, tuple[str, Callable[[types.ModuleType], None]]] = {
     "r3_alloc": ("sglang.srt.mem_cache.pool_host.common", _patch_r3_alloc),
     "fp8_kv": ("sglang.srt.mem_cache.memory_pool", _patch_fp8_kv),
     "paused_sleep": ("sglang.srt.managers.scheduler", _patch_paused_sleep),
+    # The LoRA layers are imported before any LoRA buffer is made (the backend's pins run per batch).
+    "lora_cpu": ("sglang.srt.lora.layers", _patch_lora_cpu),
     "bound_stores": ("torch.distributed.rendezvous", _patch_bound_stores),
 }
 
