@@ -28,7 +28,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from megatron_acrl.servers.lora_sync import stamp
 from sglang_bridge.fanout import FanOutResult, fan_out
 from sglang_bridge.samples import Sample, SamplingParams
 
@@ -170,6 +169,15 @@ async def by_prompt(
     extra = {"routing_key": routing_key} if routing_key is not None else {}
     parts = await asyncio.gather(*(client.generate_group(p, params, n, **extra) for p, n in runs))
     return [s for part in parts for s in part]
+
+
+def stamp(samples: list[Sample], adapter: str) -> list[Sample]:
+    """:func:`megatron_acrl.servers.lora_sync.stamp`, imported when a LoRA run first needs it:
+    lora_sync imports torch, and this module stays torch-free (the agent's direct backend uses it,
+    an import-linter contract)."""
+    from megatron_acrl.servers.lora_sync import stamp as stamp_adapter
+
+    return stamp_adapter(samples, adapter)
 
 
 async def _stamped(request: Awaitable[list[Sample]], adapter: str) -> list[Sample]:
