@@ -276,6 +276,7 @@ def scenario_optimizer_bytes(args: dict[str, Any]) -> dict[str, Any]:
         initialize_parallel(cfg.parallel, SEED)
         model = Policy(cfg)
         first, second = _batches(model)
+        model.update_controller(second)  # ACRL observes a batch before its first step
         model.train_step(second)
         out[name] = _optimizer_bytes(model.optimizer)
         out[name + "_params"] = sum(p.numel() for c in model.model for p in c.parameters())

@@ -61,9 +61,9 @@ def test_shared_expert_and_expert_tp_refused() -> None:
 
 
 def test_rank_divisible_by_tp() -> None:
-    msg = error_of(with_lora(dict(rank=6), parallel=dict(tp=4)))
-    assert "model.lora.rank" in msg and "use rank 8" in msg
-    config_from_dict(with_lora(dict(rank=8), parallel=dict(tp=4)))
+    msg = error_of(with_lora(dict(rank=3), parallel=dict(tp=2)))
+    assert "model.lora.rank" in msg and "use rank 4" in msg
+    config_from_dict(with_lora(dict(rank=4), parallel=dict(tp=2)))
 
 
 def test_lora_fields_fixed_on_resume() -> None:

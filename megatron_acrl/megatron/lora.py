@@ -175,7 +175,9 @@ class LoraAdapter(MegatronModule):
 
 def _targets(gpt: torch.nn.Module, lora: LoraConfig) -> Iterator[tuple[str, torch.nn.Module, str]]:
     """``(module path, parent, target)`` of every base linear ``lora.target_modules`` names."""
-    wanted = set(lora.target_modules)
+    # in a fixed order (not a set's, which differs between processes): every rank of a TP group
+    # must attach, and later gather, its adapters in the same order
+    wanted = [t for t in _COLUMN + _ROW if t in lora.target_modules]
     for path, module in list(gpt.named_modules()):
         for target in wanted:
             child = getattr(module, target, None)
