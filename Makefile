@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml requirements/cpu.lock scripts/post_install.py
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps -r requirements/cpu.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	# tests: the PEFT round trip of LoRA exports (their other requirements are in cpu.lock already)
+	$(PY) -m pip install -q --no-deps peft==0.21.2 accelerate==1.16.0
 	$(PY) scripts/post_install.py
 	touch $(STAMP)
 

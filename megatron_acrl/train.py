@@ -156,7 +156,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--export-hf",
         default=None,
         metavar="DIR",
-        help="at the end, write the policy as an HF safetensors model directory",
+        help="at the end, write the policy as an HF safetensors model directory (with model.lora: a "
+        "PEFT adapter directory, adapter_config.json + adapter_model.safetensors)",
+    )
+    ap.add_argument(
+        "--export-hf-merged",
+        default=None,
+        metavar="DIR",
+        help="at the end, write the policy with its LoRA adapters merged into the weights as an HF model",
     )
     ap.add_argument(
         "--load-rollouts",
@@ -198,6 +205,8 @@ def run(
                 producer.close()
             if args.export_hf:
                 export_hf(ctx, args.export_hf)
+            if getattr(args, "export_hf_merged", None):
+                export_hf(ctx, args.export_hf_merged, merged=True)
             if ctx.rank == 0:
                 ended = f"finished at step {state.step}"
                 if stop.requested:  # a stop is not the end of the run: say so, and whether it resumes

@@ -12,6 +12,11 @@ ModelFamily = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The Megatron linear layers an adapter may sit on (= HF all-linear: q/k/v, o, gate/up, down)."""
 
+LORA_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+"""Families whose Megatron<->HF tables (``megatron/convert.py``) name every adapter target for PEFT."""
+
+_EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+
 _HF_ALIASES = {
     "q_proj": "linear_qkv",
     "k_proj": "linear_qkv",
@@ -171,6 +176,8 @@ class ModelConfig(_Section):
             "family qwen3_moe needs num_experts > 0",
         )
         _check(e, self.norm_epsilon > 0, "norm_epsilon", "must be > 0")
+        if self.lora is not None:
+            e += self._lora_errors()
         _check(
             e,
             self.moe_routing_replay == "off" or self.num_experts > 0,
@@ -180,9 +187,69 @@ class ModelConfig(_Section):
         )
         return e
 
+    def _lora_errors(self) -> list[tuple[str, str]]:
+        """``model.lora`` against this model: a family with PEFT names, and MoE experts (which
+        CPU SGLang cannot serve as adapters, and whose shared expert has no HF name)."""
+        lora = self.lora
+        assert lora is not None
+        e: list[tuple[str, str]] = []
+        _check(
+            e,
+            self.family in LORA_FAMILIES,
+            "lora",
+            f"LoRA needs a family with Megatron<->HF tables ({', '.join(LORA_FAMILIES)}), got "
+            f"{self.family!r}; set model.lora: null",
+        )
+        experts = [t for t in lora.target_modules if t in _EXPERT_TARGETS] if self.is_moe else []
+        if experts:
+            _check(
+                e,
+                lora.sync == "merged",
+                "lora.sync",
+                f"sync: adapter cannot serve adapters on MoE experts ({', '.join(experts)} adapt the "
+                "routed experts): SGLang's expert-LoRA kernels need a GPU (Triton), and on CPU the first "
+                "request kills the server. Set model.lora.sync: merged (the adapters are folded into the "
+                "weights and pushed by the full-weight sync), or target attention only: "
+                "target_modules: [linear_qkv, linear_proj]",
+            )
+            _check(
+                e,
+                self.moe_shared_expert_ffn_hidden_size == 0,
+                "lora.target_modules",
+                f"{', '.join(experts)} on an MoE model adapt the routed experts, but this model also has "
+                "a shared expert (no HF/PEFT name, so its adapter could not be exported); set "
+                "moe_shared_expert_ffn_hidden_size: 0 or target attention only: [linear_qkv, linear_proj]",
+            )
+        return e
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+
+def lora_layout_errors(model: ModelConfig, parallel: ParallelConfig) -> list[tuple[str, str]]:
+    """``model.lora`` against the trainer's layout (a check spanning two sections)."""
+    lora = model.lora
+    if lora is None:
+        return []
+    e: list[tuple[str, str]] = []
+    _check(
+        e,
+        lora.rank % parallel.tp == 0,
+        "model.lora.rank",
+        f"the adapters' A is split over tensor parallelism, so rank={lora.rank} must be divisible by "
+        f"parallel.tp={parallel.tp}; use rank {-(-lora.rank // parallel.tp) * parallel.tp}",
+    )
+    experts = model.is_moe and any(t in _EXPERT_TARGETS for t in lora.target_modules)
+    _check(
+        e,
+        not experts or parallel.tp == 1,
+        "model.lora.target_modules",
+        f"adapters on MoE experts need expert tensor parallel size 1, but parallel.tp={parallel.tp} "
+        "splits the experts too; use parallel.tp=1 (expert parallelism parallel.ep is fine), or target "
+        "attention only: [linear_qkv, linear_proj]",
+    )
+    return e
 
 
 @dataclass(frozen=True)

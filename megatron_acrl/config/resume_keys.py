@@ -33,6 +33,10 @@ FIXED_ON_RESUME: dict[str, str] = {
     "model.qk_layernorm": "adds or removes the q/k norm weights the checkpoint holds",
     "model.add_qkv_bias": "adds or removes the QKV bias the checkpoint holds",
     "model.tie_embeddings": "adds or removes the separate output layer the checkpoint holds",
+    "model.lora": "switches between a checkpoint of adapters only and one of full weights",
+    "model.lora.rank": "sets the shapes of the checkpoint's adapter tensors",
+    "model.lora.target_modules": "selects which adapter tensors the checkpoint holds",
+    "model.lora.alpha": "scales the adapters: the checkpoint's adapters would compute another model",
 }
 """Keys no resume may change (why each): the checkpoint's tensors would not load."""
 

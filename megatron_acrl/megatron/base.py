@@ -37,11 +37,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_acrl.batch.microbatch import MicroBatchPlan, budget_plan, fixed_plan, row_lengths
 from megatron_acrl.config import Config, ParallelConfig
 from megatron_acrl.correction import combine_partials, finalize_metrics
-from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io
+from megatron_acrl.megatron import checkpoint, convert, cpu_compat, hf_io, lora
 from megatron_acrl.megatron.collectives import all_reduce_partials
 from megatron_acrl.megatron.model import build_model_chunks, padded_vocab_size, transformer_config, unwrap
 from megatron_acrl.megatron.routing_replay import RoutingReplay
@@ -96,6 +97,9 @@ class ModelTrainer:
     ckpt_kind = "policy"
     """Subdirectory of a step directory holding this model's distributed checkpoint."""
 
+    uses_lora = False
+    """Whether ``model.lora`` applies to this model (the policy's; a critic trains every weight)."""
+
     def __init__(
         self,
         cfg: Config,
@@ -133,13 +137,30 @@ class ModelTrainer:
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler(total_steps)
         self.step = 0
+        # what a LoRA checkpoint records of the frozen base (set by load_hf; randomly initialised here)
+        self.base_ref: dict[str, Any] = {"path": None, "sha256": f"random init, training.seed={t.seed}"}
         # the learning-rate multiplier of the coming optimizer steps (correction.step_control): applied
         # to the param groups around optimizer.step() only, so the scheduler never sees it
         self.lr_scale = 1.0
 
+    @property
+    def lora(self) -> Any:
+        """This model's ``LoraConfig`` (None: every weight trains)."""
+        return self.cfg.model.lora if self.uses_lora else None
+
     def _build_chunks(self) -> list[torch.nn.Module]:
-        """This rank's (not yet DDP-wrapped) model chunks; subclasses may change their heads."""
-        return build_model_chunks(self.cfg.model, self.cfg.parallel, self.config, self.pg)
+        """This rank's (not yet DDP-wrapped) model chunks; subclasses may change their heads. With
+        LoRA the base is frozen and adapters attached (:func:`lora.apply_lora`) before DDP and the
+        optimizer see the parameters, so both hold the adapters only."""
+        chunks = build_model_chunks(self.cfg.model, self.cfg.parallel, self.config, self.pg)
+        if self.lora is not None:
+            vpp = self.cfg.parallel.vpp
+            offsets = [
+                get_transformer_layer_offset(self.config, vp_stage=i if vpp else None, pp_rank=self.pp_rank)
+                for i in range(len(chunks))
+            ]
+            lora.apply_lora(chunks, self.cfg, self.config, self.pg, offsets)
+        return chunks
 
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         """DDP-wrap the chunks and hand Megatron's schedule their no-sync and grad-finalize hooks."""
@@ -400,10 +421,40 @@ class ModelTrainer:
         """The full canonical Megatron tensor ``name`` built from HF tensors (``get(hf_name)``)."""
         return convert.hf_to_megatron(name, get, self.info, padded_vocab=self.padded_vocab)
 
-    def hf_weights(self, all_stages: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(
+        self, all_stages: bool = False, *, merged: bool | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream ``(hf_name, full tensor)`` pairs of this model (see :func:`hf_io.hf_weights`);
-        every rank must iterate."""
-        return hf_io.hf_weights(self.model, self.layout, self._to_hf, all_stages=all_stages)
+        every rank must iterate. ``merged``: with LoRA, see :meth:`_stream_to_hf`."""
+        return hf_io.hf_weights(self.model, self.layout, self._stream_to_hf(merged), all_stages=all_stages)
+
+    def _stream_to_hf(self, merged: bool | None) -> hf_io.ToHf:
+        """The ``to_hf`` of a full-weight stream. With LoRA: ``merged=True`` folds the adapters into
+        the weights (``W + (alpha/r) B A``; the adapters are gathered here, a collective), False sends
+        the frozen base, None follows ``model.lora.sync`` (merged: fold; adapter: refused, since the
+        full-weight sync would serve the base without the adapters)."""
+        lo = self.lora
+        if lo is None or merged is False:
+            return self._to_hf
+        if merged is None and lo.sync == "adapter":
+            raise RuntimeError(
+                "model.lora.sync=adapter: the servers get the adapters (Policy.adapter_state, "
+                "lora.peft_adapter_config) through their LoRA engine, not the full-weight sync, which "
+                "would serve the base without them; set model.lora.sync=merged to push merged weights"
+            )
+        return lora.merged_to_hf(self._to_hf, lora.full_adapters(self.model, self.layout))
+
+    def adapter_state(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
+        """The adapters as ``{PEFT name: full CPU tensor}`` on global rank ``dst`` (None: every
+        rank), see :func:`lora.adapter_state`; every rank calls it. ValueError without LoRA."""
+        if self.lora is None:
+            raise ValueError("model.lora is null: this model has no adapters")
+        return lora.adapter_state(self.model, self.layout, self.info, dst=dst)
+
+    def load_adapter_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the adapters from full PEFT tensors (:meth:`adapter_state`'s names) on every rank."""
+        lora.load_adapter_state(self.model, self.layout, self.info, state)
+        self.optimizer.reload_model_params()
 
     @property
     def sync_source(self) -> hf_io.SyncSource | None:
@@ -416,13 +467,15 @@ class ModelTrainer:
 
     def hf_source_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's weights as a sync source (see :func:`hf_io.source_weights`); every rank must
-        iterate."""
-        return hf_io.source_weights(self.model, self.layout, self._to_hf)
+        iterate (with ``model.lora.sync=merged``: merged, see :meth:`_stream_to_hf`)."""
+        return hf_io.source_weights(self.model, self.layout, self._stream_to_hf(None))
 
     def load_hf(self, source: hf_io.HfSource) -> None:
         """Load HF weights (a safetensors file/directory or a name -> tensor mapping) into the model.
         Every rank reads only the tensors its shards need."""
         hf_io.load_hf(self.model, self.layout, source, self._from_hf)
+        if self.lora is not None:  # the base a LoRA checkpoint must be resumed on
+            self.base_ref = lora.base_reference(source)
         self.optimizer.reload_model_params()  # refresh fp32 main params (bf16 / distributed opt.)
 
     # ----------------------------------------------------------------------------------------
@@ -446,11 +499,21 @@ class ModelTrainer:
         }
 
     def _chunk_sharded_state_dict(self, chunk: torch.nn.Module, meta: dict[str, Any]) -> dict[str, Any]:
-        """One model chunk's sharded state dict (subclasses with another head adapt it)."""
-        return unwrap(chunk).sharded_state_dict(metadata=meta)
+        """One model chunk's sharded state dict (subclasses with another head adapt it). With LoRA
+        the adapters only: the frozen base is the model at ``model.hf_path``, which the checkpoint
+        references (:meth:`_checkpoint_meta`) instead of copying."""
+        state = unwrap(chunk).sharded_state_dict(metadata=meta)
+        if self.lora is not None:
+            state = {k: v for k, v in state.items() if lora.is_lora_param(k)}
+        return state
 
     def _checkpoint_meta(self) -> dict[str, Any]:
-        return checkpoint.checkpoint_meta(self.cfg, self.ckpt_kind, self.optimizer, self.dp_size)
+        lo = self.lora
+        adapters = None
+        if lo is not None:
+            adapters = dict(rank=lo.rank, alpha=lo.alpha, target_modules=list(lo.target_modules))
+            adapters["base"] = self.base_ref
+        return checkpoint.checkpoint_meta(self.cfg, self.ckpt_kind, self.optimizer, self.dp_size, adapters)
 
     def save_dist(self, path: str | os.PathLike) -> None:
         """Write this model's distributed checkpoint into ``path`` (all ranks call it)."""
@@ -465,7 +528,8 @@ class ModelTrainer:
         path = Path(path)
         checkpoint.check_compatible(path, self._checkpoint_meta())
         state = checkpoint.load_dist(self.sharded_state_dict(is_loading=True), path, self.pg.dp_cp)
-        checkpoint.load_chunks(self.model, state["model"], path)
+        only = lora.is_lora_param if self.lora is not None else None
+        checkpoint.load_chunks(self.model, state["model"], path, only=only)
         self.optimizer.load_state_dict(state["optimizer"])
         # No reload_model_params() here: the bf16 optimizer's load_state_dict has just restored the
         # fp32 main params, and copying the bf16 model params over them would round them to bf16

@@ -107,12 +107,19 @@ def sharded_metadata(dp_cp_group: dist.ProcessGroup) -> dict[str, Any]:
     }
 
 
-def checkpoint_meta(cfg: Config, kind: str, optimizer: Any, dp_size: int) -> dict[str, Any]:
+def checkpoint_meta(
+    cfg: Config, kind: str, optimizer: Any, dp_size: int, lora: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """What a checkpoint must agree on to be loadable: the tensors' global shapes and dtypes
-    (model fields), the optimizer format and the model kind; the layout is informational."""
+    (model fields), the optimizer format and the model kind; the layout is informational.
+
+    ``lora``: a LoRA model's adapters (``rank``, ``alpha``, ``target_modules``) and the frozen
+    base they were trained on (``base``: ``path`` and ``sha256``, ``lora.base_reference``); the
+    checkpoint then holds the adapters and their optimizer state only."""
     m, p = cfg.model, cfg.parallel
     return {
         "kind": kind,
+        "lora": dict(lora) if lora is not None else None,
         "model": {k: getattr(m, k) for k in _CHECKPOINT_MODEL_FIELDS},
         "distributed_optimizer": p.distributed_optimizer,
         # Megatron chains a second optimizer for expert-parallel parameters; the optimizer's
@@ -160,12 +167,18 @@ def load_common_state(path: str | os.PathLike) -> dict[str, Any]:
     return dist_checkpointing.load_common_state_dict(str(path))
 
 
-def load_chunks(model: list[torch.nn.Module], loaded: Mapping[str, Any], path: str | os.PathLike) -> None:
-    """Copy ``loaded["chunk<i>"]`` into each model chunk; RuntimeError on missing/unexpected keys."""
+def load_chunks(
+    model: list[torch.nn.Module],
+    loaded: Mapping[str, Any],
+    path: str | os.PathLike,
+    only: Callable[[str], bool] | None = None,
+) -> None:
+    """Copy ``loaded["chunk<i>"]`` into each model chunk; RuntimeError on missing/unexpected keys.
+    ``only``: the parameter names the checkpoint holds (LoRA: the adapters); others stay as they are."""
     for i, chunk in enumerate(model):
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=False)
         # Only Megatron's (empty, local-spec) ``_extra_state`` entries may be absent.
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing = [k for k in missing if not k.endswith("_extra_state") and (only is None or only(k))]
         if missing or unexpected:
             raise RuntimeError(f"{path}: chunk {i} missing {missing[:5]}, unexpected {unexpected[:5]}")
 
@@ -216,10 +229,40 @@ def check_compatible(path: str | os.PathLike, mine: Mapping[str, Any]) -> None:
                 "of 1, or export the weights (--export-hf) and start from them with model.hf_path",
             )
         )
+    errors += _lora_errors(path, saved.get("lora"), mine.get("lora"))
     if saved["kind"] != mine["kind"]:
         errors.append(("", f"{path} holds a {saved['kind']} model, not a {mine['kind']}"))
     if errors:
         raise ConfigError(errors)
+
+
+def _lora_errors(path: Path, saved: Mapping[str, Any] | None, mine: Mapping[str, Any] | None) -> list:
+    """A LoRA checkpoint resumes only with the same adapters on the same base (its tensors are the
+    adapters alone: on another base, or as a full model, they would mean something else)."""
+    if saved is None and mine is None:
+        return []
+    if saved is None or mine is None:
+        had = "LoRA adapters (no base weights)" if saved else "full weights"
+        want = "model.lora set" if mine else "model.lora null"
+        return [("model.lora", f"checkpoint {path} holds {had}, this run has {want}; {_FRESH_HINT}")]
+    errors = [
+        (f"model.lora.{k}", f"checkpoint {path} has {saved.get(k)!r}, this run {mine[k]!r}; {_FRESH_HINT}")
+        for k in ("rank", "alpha", "target_modules")
+        if saved.get(k) != mine[k]
+    ]
+    old, new = saved.get("base") or {}, mine.get("base") or {}
+    if old.get("sha256") != new.get("sha256"):
+        errors.append(
+            (
+                "model.hf_path",
+                f"checkpoint {path} holds adapters trained on the base {old.get('path')!r} (fingerprint "
+                f"{old.get('sha256')}), this run loads {new.get('path')!r} (fingerprint "
+                f"{new.get('sha256')}): "
+                "adapters fit only their own base; set model.hf_path to the checkpoint's base, or start "
+                "fresh in a new training.checkpoint_dir",
+            )
+        )
+    return errors
 
 
 # --------------------------------------------------------------------------------------------

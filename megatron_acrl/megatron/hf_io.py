@@ -106,6 +106,8 @@ def _local_params(
         )
         gpt = unwrap(chunk)
         for name, param in gpt.named_parameters():
+            if "_lora." in name:  # LoRA adapters (``lora.SUFFIX``): lora.py's own exporters handle them
+                continue
             is_expert = not getattr(param, "allreduce", True)
             yield gpt, convert.canonical_name(name, layer_offset=offset), param, is_expert
 

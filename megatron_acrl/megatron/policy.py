@@ -34,7 +34,7 @@ from megatron_acrl.correction import (
     drift_stats,
     valid_mask,
 )
-from megatron_acrl.megatron import checkpoint, convert, hf_io
+from megatron_acrl.megatron import checkpoint, convert, hf_io, lora
 from megatron_acrl.megatron.base import ModelTrainer
 from megatron_acrl.megatron.loss_adapter import LossAdapter
 from megatron_acrl.megatron.model import build_model_chunks, transformer_config, unwrap
@@ -64,6 +64,8 @@ class Policy(ModelTrainer):
         total_steps: optimizer steps of the LR schedule (default ``num_steps * ppo_epochs *
             num_minibatches``).
     """
+
+    uses_lora = True  # model.lora: adapters on the policy (the reference model stays the plain base)
 
     def __init__(
         self,
@@ -461,6 +463,7 @@ class Policy(ModelTrainer):
         dtype: torch.dtype | None = None,
         max_shard_bytes: int = 2 << 30,
         keep_existing: bool = False,
+        merged: bool = True,
     ) -> Path:
         """Write the policy as an HF model directory from rank 0; all ranks call it.
 
@@ -469,9 +472,10 @@ class Policy(ModelTrainer):
         model's; ``--export-hf`` and the SFT warm start); without it ``config.json`` is
         ``convert.hf_config`` of the model. ``dtype``: cast the weights (None keeps the model's).
         ``keep_existing``: see :func:`hf_io.write_hf_dir` (a cache entry another run wrote first).
+        ``merged``: with LoRA, fold the adapters into the weights (False: the frozen base).
         """
         out = hf_io.write_hf_dir(
-            self.hf_weights(all_stages=True),
+            self.hf_weights(all_stages=True, merged=merged),
             directory,
             write=dist.get_rank() == 0,
             config=None if base_dir is not None else convert.hf_config(self.cfg.model),
@@ -493,7 +497,8 @@ class Policy(ModelTrainer):
     def _copy_policy_to_ref(self) -> None:
         assert self.ref_model is not None
         for src, dst in zip(self.model, self.ref_model, strict=True):
-            for p, q in zip(unwrap(src).parameters(), unwrap(dst).parameters(), strict=True):
+            base = [p for n, p in unwrap(src).named_parameters() if not lora.is_lora_param(n)]
+            for p, q in zip(base, unwrap(dst).parameters(), strict=True):  # LoRA: the base's weights
                 q.copy_(p)
 
     # ----------------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def check_resume(cfg: Config, step_dir: Path | None = None) -> None:
     payload = torch.load(driver, weights_only=False) if driver.exists() else {}
     check_resumable(cfg, step_dir, trainer_version_of(step_dir, payload))
     _refuse_changes(cfg, step_dir, payload.get("config"))
+    _refuse_other_base(cfg, step_dir)
     pending = (payload.get("driver", {}).get("producer") or {}).get("pending")
     if pending and cfg.rollout.mode == "sync":
         raise ConfigError(
@@ -281,9 +282,46 @@ def load_driver_state(ctx: RunContext) -> tuple[DriverState, Path | None]:
     return state, step_dir
 
 
-def export_hf(ctx: RunContext, out_dir: str | Path) -> Path:
+def export_hf(ctx: RunContext, out_dir: str | Path, *, merged: bool = False) -> Path:
     """Write the current policy as an HF model directory (config and tokenizer of the served model,
-    weights gathered from every TP/PP/EP shard). Every rank calls it; rank 0 writes."""
-    out = ctx.policy.save_hf(out_dir, base_dir=ctx.model_dir, dtype=torch.bfloat16)
-    log0(f"exported the policy to {out}")
+    weights gathered from every TP/PP/EP shard). Every rank calls it; rank 0 writes.
+
+    With ``model.lora`` (and not ``merged``): a PEFT adapter directory instead (``adapter_config.json``
+    naming the base, ``adapter_model.safetensors``), which ``peft`` loads onto the base model.
+    ``merged`` (``--export-hf-merged``): the base with the adapters folded in, a plain HF model."""
+    from megatron_acrl.megatron import lora
+
+    if ctx.cfg.model.lora is None or merged:
+        out = ctx.policy.save_hf(out_dir, base_dir=ctx.model_dir, dtype=torch.bfloat16, merged=True)
+        log0(f"exported the policy{' (adapters merged)' if ctx.cfg.model.lora else ''} to {out}")
+        return out
+    state = ctx.policy.adapter_state(dst=0)
+    out = Path(out_dir)
+    if ctx.rank == 0:
+        lora.write_peft_dir(state, lora.peft_adapter_config(ctx.cfg, str(ctx.model_dir)), out)
+    broadcast_object(None)  # the other ranks wait for rank 0's directory
+    log0(f"exported the policy's LoRA adapters (PEFT) to {out}")
     return out
+
+
+def _refuse_other_base(cfg: Config, step_dir: Path) -> None:
+    """A LoRA checkpoint's adapters resume only on their own base: refuse another one (by its weights'
+    fingerprint) before anything starts. The load checks it again (``checkpoint.check_compatible``)."""
+    if cfg.model.lora is None or not cfg.model.hf_path or not (step_dir / "policy").is_dir():
+        return
+    from megatron_acrl.megatron import checkpoint, lora
+
+    meta = checkpoint.load_common_state(step_dir / "policy").get("acrl_meta") or {}
+    saved = ((meta.get("lora") or {}).get("base") or {}).get("sha256")
+    mine = lora.base_reference(cfg.model.hf_path)["sha256"]
+    if saved is not None and saved != mine:
+        raise ConfigError(
+            [
+                (
+                    "model.hf_path",
+                    f"the checkpoint {step_dir} holds LoRA adapters trained on another base (fingerprint "
+                    f"{saved}; {cfg.model.hf_path} has {mine}): adapters fit only their own base; point "
+                    "model.hf_path at the checkpoint's base, or start fresh in a new training.checkpoint_dir",
+                )
+            ]
+        )

@@ -26,7 +26,13 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
             str(base_dir),
             # Routing replay changes how RL passes route, not the warm-started weights: arms that
             # differ only in it share one warm start (and keys predating the field stay valid).
-            {k: v for k, v in config_to_dict(cfg.model).items() if k != "moe_routing_replay"},
+            # LoRA adapts the RL policy, not the warm start (full SFT, below): LoRA and full-parameter
+            # arms share one warm start, so they start RL from the same base.
+            {
+                k: v
+                for k, v in config_to_dict(dataclasses.replace(cfg.model, lora=None)).items()
+                if k != "moe_routing_replay"
+            },
             # task.heldout_fraction at its default (the split before the field existed) keeps old keys.
             {k: v for k, v in config_to_dict(cfg.task).items() if (k, v) != ("heldout_fraction", 0.1)},
             cfg.training.sft_steps,
@@ -112,7 +118,7 @@ def sft_warmstart(
         correction=dataclasses.replace(cfg.correction, method="none"),
         algorithm=dataclasses.replace(cfg.algorithm, kl_coef=0.0, entropy_coef=0.0),
         # Supervised batches have no rollout routing to replay.
-        model=dataclasses.replace(cfg.model, moe_routing_replay="off"),
+        model=dataclasses.replace(cfg.model, moe_routing_replay="off", lora=None),
     )
     trainer = Policy(sft_cfg, loss_fn=sft_loss, total_steps=t.sft_steps)
     trainer.load_hf(base_dir)

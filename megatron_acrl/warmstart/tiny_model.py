@@ -233,7 +233,8 @@ def build_checkpoint(
     """
     init = initializer_range if initializer_range is not None else (0.2 if cfg.is_moe else 0.02)
     arch_fields = {
-        f.name: getattr(cfg, f.name)
+        # model.lora adapts the RL policy, not this base: LoRA and full runs share it (null as before)
+        f.name: None if f.name == "lora" else getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
         if f.name
         not in ("params_dtype", "hf_path", "tokenizer_path", "moe_aux_loss_coeff", "moe_routing_replay")
