@@ -161,6 +161,14 @@ def test_an_async_run_gets_the_sweeps_pick_and_explain_says_so() -> None:
     lines = "\n".join(explain(cfg, sources))
     want = f"correction.step_control: 'none' | 'drift_budget' = 'drift_budget'  (from {ASYNC_SOURCE})"
     assert want in lines
+    # an async run without a method gets TIS (the pick), with no alpha_min
+    cfg, sources = load_config_with_sources(None, ["rollout.mode=async"])
+    assert (cfg.correction.method, cfg.correction.step_control, cfg.correction.alpha_min) == (
+        "tis",
+        "drift_budget",
+        None,
+    )
+    assert sources["correction.method"] == ASYNC_SOURCE
     # an explicit value wins; TIS gets no alpha_min; a sync run (even lagged) is unchanged
     cfg, sources = load_config_with_sources(
         ROOT / "configs" / "tiny_async.yaml", ["correction.step_control=none", "correction.method=tis"]

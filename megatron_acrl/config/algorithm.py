@@ -231,7 +231,8 @@ SEQUENCE_LEVEL_METHODS = ("seq_tis", "seq_mis", "geo_mis")
 @dataclass(frozen=True)
 class CorrectionConfig(_Section):
     method: CorrectionMethod = "acrl"
-    """Training-inference mismatch correction: none, tis, seq_tis, seq_mis, geo_mis, icepop or acrl."""
+    """Training-inference mismatch correction: none, tis, seq_tis, seq_mis, geo_mis, icepop or acrl
+    (an async run that leaves it unset gets tis, with step control: the lag sweep's pick)."""
 
     tis_low: float = 0.0
     """tis: lower clamp of the token weight rho = pi_old / mu."""

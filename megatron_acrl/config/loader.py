@@ -286,11 +286,11 @@ ASYNC_SOURCE = "rollout.mode=async: the lag sweep's pick, docs/study/REPORT.md"
 
 def apply_async_correction_defaults(data: dict) -> tuple[dict, Sources]:
     """``data`` with the correction the lag sweep picked for stale rollouts filled into an async
-    run's correction fields it leaves unset: ``step_control: drift_budget`` (TIS + step control was
-    the pick at lags 0, 2 and 8; at lag 8 exact J 0.749 against TIS's 0.390 and BF16 sync's 0.759)
-    and, when the run uses ACRL, ``alpha_min: 0`` (sign-safe ACRL beat the paper's law at lag 8 on
-    6/6 seeds). A sync run is unchanged (its weight lag is an explicit experiment: the study grids
-    set what they compare). Returns the data and the fields so filled."""
+    run's correction fields it leaves unset: ``method: tis`` and ``step_control: drift_budget`` (TIS
+    + step control was the pick at lags 0, 2 and 8; at lag 8 exact J 0.749 against TIS's 0.390 and
+    BF16 sync's 0.759) and, when the run chooses ACRL, ``alpha_min: 0`` (sign-safe ACRL beat the
+    paper's law at lag 8 on 6/6 seeds). A sync run is unchanged (its weight lag is an explicit
+    experiment: the study grids set what they compare). Returns the data and the fields so filled."""
     rollout = data.get("rollout", {}) if isinstance(data, dict) else None
     if not isinstance(rollout, dict) or rollout.get("mode") != "async":
         return data, {}
@@ -298,8 +298,8 @@ def apply_async_correction_defaults(data: dict) -> tuple[dict, Sources]:
     if not isinstance(section, dict):
         return data, {}
     filled, sources = dict(section), {}
-    wanted: dict[str, Any] = {"step_control": "drift_budget"}
-    if section.get("method", "acrl") == "acrl":
+    wanted: dict[str, Any] = {"method": "tis", "step_control": "drift_budget"}
+    if section.get("method") == "acrl":  # the user's ACRL: sign-safe
         wanted["alpha_min"] = 0.0
     for key, value in wanted.items():
         if key not in section:
