@@ -123,13 +123,18 @@ def test_dr_grpo_applies_and_requires_its_values():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_grpo_and_ppo_configs_are_unchanged_field_for_field(path):
-    """A shipped config (all grpo) and its ppo twin load exactly as the dataclasses alone build them."""
+    """A shipped config (all grpo) and its ppo twin load exactly as the dataclasses alone build them
+    (an async one with the lag sweep's correction defaults, which are the only sources)."""
+    from megatron_acrl.config.loader import apply_async_correction_defaults
+
     data = _read_yaml(path)
     assert data["algorithm"]["name"] == "grpo"
     for name in ("grpo", "ppo"):
         data["algorithm"]["name"] = name
         cfg, sources = load_config_with_sources(path, [f"algorithm.name={name}"])
-        assert sources == {} and cfg == _build(Config, data, "")
+        want, from_async = apply_async_correction_defaults(data)
+        assert sources == from_async and cfg == _build(Config, want, "")
+        assert not any(k.startswith("algorithm.") for k in sources)
 
 
 def test_a_resolved_config_round_trips_without_sources():

@@ -14,6 +14,7 @@ weights every step, so versions really differ.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "hooks": {**record, "score_turns": score},
             },
         ]
-        run_spec(tmp, spec, timeout=2000, runner="agent/agent_async_runner.py", env={KEY_ENV: key})
+        # the runner's agent is imported by path (tests.agent.async_agents): the repository root on the
+        # path, as pytest has it in this process
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {KEY_ENV: key, "PYTHONPATH": path}
+        run_spec(tmp, spec, timeout=2000, runner="agent/agent_async_runner.py", env=env)
     return tmp
 
 
