@@ -149,7 +149,7 @@ def test_close_kills_hung_servers_before_the_update_group_teardown(monkeypatch: 
 
     handle = object.__new__(RolloutServers)
     handle.router, handle.synchronizer, handle.servers = None, Sync(), standins.servers  # type: ignore[assignment]
-    handle._api_key = "key"
+    handle._api_key, handle.adapters = "key", None  # (no LoRA adapter sync)
     handle.close()
     assert log[:3] == [("stop", 1, "stopped"), ("stop", 2, "deaf"), ("teardown", ["up", "dead", "dead"])]
     assert log[3] == ("stop", 0, "up") and handle.servers == []  # then every server, as before
