@@ -110,3 +110,23 @@ def test_lora_merged_sync_export_and_resume(tmp_path: Path) -> None:
     for k, v in a[2].items():
         if not k.startswith(("time/", "perf/", "sync/seconds")):
             assert c[0][k] == v, k
+
+
+def test_lora_adapter_sync_through_the_driver(tmp_path: Path) -> None:
+    """The two halves of issue #35 together: the trainer's adapters pushed to a LoRA-enabled server
+    (``sync: adapter``) every step, the rollouts sampled with that version's adapter."""
+    lora = [o.replace("sync: merged", "sync: adapter") for o in LORA]
+    common = BASE + lora + ["logging.wandb_mode=disabled"]
+    live = [
+        {
+            "config": CONFIG,
+            "overrides": common + ["training.num_steps=3", f"training.checkpoint_dir={tmp_path / 'ck'}"],
+            "args": ["--run-dir", str(tmp_path / "live")],
+        }
+    ]
+    run_spec(tmp_path, live)
+    r = rows(tmp_path / "live")
+    assert [x["step"] for x in r] == [1, 2, 3]
+    for x in r:  # the server serves base + adapter: the trainer-vs-rollout mismatch stays small
+        assert math.isfinite(x["loss/pg_loss"]) and math.isfinite(x["mismatch/kl"]) and x["mismatch/kl"] < 0.1
+    assert all(x.get("sync/adapter") == 1.0 for x in r[1:]), [x.get("sync/adapter") for x in r]
