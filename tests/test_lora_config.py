@@ -146,7 +146,7 @@ def test_peft_config_and_dir(tmp_path: Path) -> None:
     cfg = config_from_dict(with_lora(dict(rank=8, alpha=16.0, target_modules=["linear_qkv", "linear_fc2"])))
     pc = lora.peft_adapter_config(cfg, "/models/base")
     assert pc["r"] == 8 and pc["lora_alpha"] == 16.0 and pc["peft_type"] == "LORA"
-    assert pc["target_modules"] == ["down_proj", "k_proj", "q_proj", "v_proj"]
+    assert pc["target_modules"] == ["q_proj", "k_proj", "v_proj", "down_proj"]
     assert pc["base_model_name_or_path"] == "/models/base" and pc["use_rslora"] is False
     state = lora.peft_tensors(_adapters(), INFO)
     out = lora.write_peft_dir(state, pc, tmp_path / "adapter")

@@ -17,6 +17,14 @@ LORA_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 _EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 
+LORA_HF_MODULES: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+"""The HF modules (PEFT's and SGLang's ``target_modules``) of each Megatron target."""
+
 _HF_ALIASES = {
     "q_proj": "linear_qkv",
     "k_proj": "linear_qkv",
@@ -50,6 +58,33 @@ class LoraConfig(_Section):
     sync: Literal["adapter", "merged"] = "adapter"
     """adapter: push only the adapters to the servers' LoRA engine under a versioned name; merged:
     fold them into the weights and push those through the full-weight sync."""
+
+    @property
+    def hf_modules(self) -> tuple[str, ...]:
+        """The HF module names the adapters sit on, in the fixed order of :data:`LORA_HF_MODULES`."""
+        return tuple(m for t, hf in LORA_HF_MODULES.items() if t in self.target_modules for m in hf)
+
+    def peft_config(self, base_model_name_or_path: str) -> dict:
+        """``adapter_config.json`` of these adapters (PEFT ``LoraConfig`` fields), for the export and
+        the servers alike: one rank, plain alpha / r scaling (SGLang ignores rsLoRA, rank and alpha
+        patterns), no bias, no DoRA."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.hf_modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "modules_to_save": None,
+            "init_lora_weights": True,
+            "base_model_name_or_path": base_model_name_or_path,
+        }
 
     def validate(self) -> list[tuple[str, str]]:
         e: list[tuple[str, str]] = []

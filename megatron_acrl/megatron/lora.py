@@ -363,38 +363,13 @@ def adapter_state(
     return peft_tensors(full_adapters(model, layout, dst=dst), info)
 
 
-_HF_MODULES = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-
-
 def peft_adapter_config(cfg: Config, base_model_name_or_path: str | None = None) -> dict[str, Any]:
-    """``adapter_config.json`` of the run's adapters (PEFT ``LoraConfig`` fields; what SGLang reads:
-    ``r``, ``lora_alpha``, ``target_modules``, ``use_dora``)."""
+    """``adapter_config.json`` of the run's adapters (:meth:`LoraConfig.peft_config`; what SGLang
+    reads: ``r``, ``lora_alpha``, ``target_modules``, ``use_dora``)."""
     lora = cfg.model.lora
     if lora is None:
         raise ValueError("model.lora is null: there are no adapters to describe")
-    targets = [hf for t in lora.target_modules for hf in _HF_MODULES[t]]
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": sorted(targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "base_model_name_or_path": base_model_name_or_path or cfg.model.hf_path,
-    }
+    return lora.peft_config(base_model_name_or_path or cfg.model.hf_path or "")
 
 
 def merged_to_hf(

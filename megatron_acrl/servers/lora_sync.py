@@ -59,14 +59,6 @@ from sglang_bridge.weight_sync import Manifest, ManifestMismatchError, WeightSyn
 
 log = logging.getLogger(__name__)
 
-HF_MODULES: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-"""The HF modules (SGLang's ``--lora-target-modules``) of each Megatron target of ``model.lora``."""
-
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's HF path in a saved adapter."""
 
@@ -79,7 +71,7 @@ _PEFT_NAME = re.compile(
 
 def served_modules(lora: LoraConfig) -> tuple[str, ...]:
     """The HF module names ``lora.target_modules`` puts adapters on, in a fixed order."""
-    return tuple(m for t in HF_MODULES if t in lora.target_modules for m in HF_MODULES[t])
+    return lora.hf_modules
 
 
 def lora_serving(lora: LoraConfig, max_loras_per_batch: int) -> LoraServing:
@@ -194,24 +186,8 @@ def stamp(samples: list[Sample], name: str) -> list[Sample]:
 
 
 def adapter_config(lora: LoraConfig, base_model: str = "") -> dict[str, Any]:
-    """``adapter_config.json`` of the pushed adapters, as SGLang reads it: one rank, plain
-    alpha / r scaling (SGLang ignores rsLoRA, rank and alpha patterns), no bias, no DoRA."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": list(served_modules(lora)),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "modules_to_save": None,
-        "base_model_name_or_path": base_model,
-    }
+    """``adapter_config.json`` of the pushed adapters: the export's (:meth:`LoraConfig.peft_config`)."""
+    return lora.peft_config(base_model)
 
 
 class AdapterMismatchError(ManifestMismatchError):
