@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock scripts/post_install.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" --durations=30 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m "slow and not gpu" $(PYTEST_ARGS)

@@ -18,6 +18,9 @@ trap 'true' TERM INT
 "$@"
 rc=$?
 # "exit-code end-time": the job script blames the rank that failed first, not the ones whose
-# collectives broke because of it.
-mkdir -p "$rc_dir" && echo "$rc $(date +%s.%N)" >"$rc_dir/rank-$RANK"
+# collectives broke because of it. The time is bash's own clock, read before anything else runs:
+# a `date` subprocess here costs milliseconds, which under load can let a peer whose collective broke
+# because of this rank (it sees the closed socket at this rank's exit) record an earlier time.
+ts=$EPOCHREALTIME
+mkdir -p "$rc_dir" && echo "$rc $ts" >"$rc_dir/rank-$RANK"
 exit "$rc"
