@@ -27,7 +27,9 @@ from megatron_acrl.warmstart.tiny_model import build_checkpoint
 from sglang_bridge.server import ServerSpec, SGLangServer
 from sglang_bridge.server_key import new_api_key
 
-pytestmark = pytest.mark.timeout(2400)
+# One async agent run on a real server, stopped and resumed, read by every test here (~75 s quiet):
+# the slow tier. tests/agent/test_agent_async.py proves the same bookkeeping on a stand-in backend.
+pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny_dense.yaml")

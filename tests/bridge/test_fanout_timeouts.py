@@ -172,6 +172,7 @@ class Overdue(SGLangClient):
 REQUESTS = 384
 
 
+@pytest.mark.slow  # 384 requests through a 2-slot server (~50 s)
 def test_a_rollout_far_longer_than_the_timeout_returns_every_sample_from_a_real_server(
     narrow_server: SGLangServer,
 ) -> None:

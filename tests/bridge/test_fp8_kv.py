@@ -16,6 +16,7 @@ import types
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from bridge_helpers import load_hf
 
@@ -104,6 +105,7 @@ def _hf_score(model: torch.nn.Module) -> torch.Tensor:
     return torch.tensor(rows)
 
 
+@pytest.mark.slow  # starts its own FP8-KV server (~20 s)
 def test_emulated_fp8_kv_server(sglang_server: SGLangServer, tiny_ckpt: Path, tmp_path: Path):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -26,6 +26,7 @@ def _run(tmp_path: Path, *args: str) -> dict[str, float]:
     return {k: float(v) for k, v in figures.items()}
 
 
+@pytest.mark.slow  # runs the benchmark end to end (~45 s)
 def test_fp8_gap_on_cpu_is_fake_quant_and_above_the_bf16_control(tmp_path: Path) -> None:
     f = _run(
         tmp_path, "--device", "cpu", "--layers", "2", "--hidden", "128", "--vocab", "512",

@@ -137,6 +137,7 @@ def test_a_bad_adapter_is_refused_before_any_post(
     assert lora_server.alive() and score(lora_server.url, adapters.current).shape == (len(SEQS), 6)
 
 
+@pytest.mark.slow  # two adapter versions with requests in flight (~50 s)
 def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     lora_server: SGLangServer, adapters: AdapterSync, lm: LoraManifest
 ) -> None:
@@ -173,6 +174,7 @@ class AdapterPolicy:
         return self.adapter
 
 
+@pytest.mark.slow  # starts and restarts its own server (~40 s)
 def test_a_restarted_server_gets_the_adapter_back(tiny_ckpt: Path, lm: LoraManifest, tmp_path: Path) -> None:
     cfg = load_config(
         None,

@@ -197,7 +197,10 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGINT takes the same path as SIGTERM (one handler): the second case runs in the slow tier only.
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"]
+)
 def test_a_signalled_parent_leaves_no_server_behind(sig: int, tmp_path: Path, tiny_ckpt: Path) -> None:
     """The bridge installs no signal handler (SIGTERM / SIGINT belong to the entry point, which calls
     ``stop_all_servers``). A process that started a real server through it and gets SIGTERM (the
@@ -230,7 +233,9 @@ def test_a_signalled_parent_leaves_no_server_behind(sig: int, tmp_path: Path, ti
                 p.kill()
 
 
-@pytest.mark.parametrize("hung", [False, True], ids=["stopped", "SIGSTOPped-then-killed"])
+@pytest.mark.parametrize(
+    "hung", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["stopped", "SIGSTOPped-then-killed"]
+)
 def test_a_stopped_server_leaves_none_of_its_shared_memory(
     hung: bool, tmp_path: Path, tiny_ckpt: Path
 ) -> None:

@@ -11,6 +11,7 @@ import pytest
 from bridge_helpers import run_benchmark
 
 
+@pytest.mark.slow  # runs the benchmark end to end (~70 s)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the split placement needs 2 cores")
 def test_benchmark_measures_both_placements_and_ends_with_the_goal_figure(tmp_path: Path) -> None:
     proc = run_benchmark(
