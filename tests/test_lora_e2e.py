@@ -239,7 +239,8 @@ def test_async_lora_rollout_logprobs_are_their_adapters(async_lora: Path) -> Non
     assert len(versions) >= 2, score
     for v in versions:
         own = score[f"{v}@{v}"]
-        print(f"lora async: tokens of v{v} scored under v{v}: {own}; under v{v + 1}: {score.get(f'{v}@{v + 1}')}")
+        nxt = score.get(f"{v}@{v + 1}")
+        print(f"lora async: tokens of v{v} scored under v{v}: {own}; under v{v + 1}: {nxt}")
         assert own["n"] > 0 and own["max"] < 2e-2 and own["mean"] < 2e-3, (v, own)
         if f"{v}@{v + 1}" in score:
             assert score[f"{v}@{v + 1}"]["mean"] > 3 * own["mean"], (v, score)
