@@ -4,6 +4,11 @@ One live run (3 RL steps, the adapters merged into the weights and pushed throug
 sync every step) records its rollouts, checkpoints every step and exports both the PEFT adapter
 directory (``--export-hf``) and the merged model (``--export-hf-merged``). Replays of its rollouts
 then check that a run stopped by SIGTERM resumes exactly (adapters and their optimizer state).
+
+With ``sync: adapter`` (a LoRA-enabled server): three steps through the driver; and an async run
+(K = 2) with a weight lag of 1, stopped by SIGTERM during its 3rd step and resumed by the same command
+(``tests/lora_runner.py`` records the adapter pushes, the adapter names the requests took and the
+trainer's state, and scores every sampled token under its version's adapter at the end).
 """
 
 from __future__ import annotations
