@@ -96,7 +96,8 @@ def test_the_agent_demo_config_runs_and_logs_held_out_agent_evals(tmp_path: Path
         "training.num_steps=2",
         "training.eval_interval=5",
         "task.eval_size=8",
-        "rollout.prompts_per_step=4",
+        "rollout.prompts_per_step=8",
+        "training.micro_batch_size=16",
         f"training.checkpoint_dir={tmp_path / 'ckpt'}",
     ]
     cmd = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2"]
