@@ -40,6 +40,7 @@ from megatron_acrl.config import Config, ConfigError, config_to_dict, load_confi
 from megatron_acrl.config.exit_codes import CONFIG_ERROR, SERVERS_UNAVAILABLE
 from megatron_acrl.logging import thread_clock
 from megatron_acrl.megatron.checkpoint import CheckpointSpaceError
+from megatron_acrl.rollout.evaluate import eval_due
 from megatron_acrl.rollout.producer import Producer, make_producer
 from megatron_acrl.run.context import RunContext, setup_run
 from megatron_acrl.run.preflight import preflight, resolve_checkpoint_dir
@@ -54,8 +55,10 @@ from sglang_bridge.server import ServersNotReady
 def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSignals) -> DriverState:
     """The loop: one screen, each phase a named function; ``stop`` ends it after the step."""
     cfg, policy, log = ctx.cfg, ctx.policy, ctx.logger
-    if state.step == 0 and (m0 := producer.evaluate_exact(0)) and log is not None:
-        log.log(0, m0)  # the exact metric of the weights that sample step 1
+    if state.step == 0:  # the exact metric (and an agent run's eval) of the weights that sample step 1
+        m0 = producer.evaluate_exact(0) | (producer.evaluate(0) if eval_due(cfg, 0) else {})
+        if m0 and log is not None:
+            log.log(0, m0)
     for step in range(state.step, cfg.training.num_steps):
         t0 = time.perf_counter()
         try:
@@ -78,7 +81,7 @@ def train(ctx: RunContext, state: DriverState, producer: Producer, stop: StopSig
         t4 = time.perf_counter()
         state.step = step + 1
         m.update(phase_metrics(tb, (t0, t1, t2, t3, t4), (c1, c3)) | producer.step_metrics(t4 - t0, t1 - t0))
-        if cfg.training.eval_interval and state.step % cfg.training.eval_interval == 0:
+        if eval_due(cfg, state.step):
             m.update(producer.evaluate(state.step))
         m.update(producer.evaluate_exact(state.step))  # training.exact_eval_interval
         if log is not None:

@@ -2,7 +2,10 @@
 the exact metric.
 
 Greedy accuracy on the held-out split, the sampled reward on fixed training prompts; every rank
-calls :func:`evaluate` (the weight pushes it makes are collective), rank 0 evaluates.
+calls :func:`evaluate` (the weight pushes it makes are collective), rank 0 evaluates. For an agent
+run (``rollout.agent``) the same protocol runs whole trajectories through the same agent loop as
+training (greedy: every turn at temperature 0), and adds the tool-call rate (:func:`eval_due`: also
+at step 0 and at the last step).
 
 The exact metric (:func:`evaluate_exact`, ``training.exact_eval_interval``): for a task whose prompts
 can be enumerated (1-digit addition: 100), the expected reward of the canonical answer,
@@ -27,6 +30,7 @@ import torch
 from megatron_acrl.batch.rollout_batch import RolloutBatch
 from megatron_acrl.logging import read_jsonl_metrics
 from megatron_acrl.rollout.phase import encode_prompts, score_groups
+from megatron_acrl.rollout.trajectories import sample_trajectories
 from megatron_acrl.tasks.base import Prompt, Task
 
 if TYPE_CHECKING:
@@ -65,6 +69,8 @@ def _evaluate_served(ctx: RunContext, prefix: str) -> dict[str, float]:
     cfg, m = ctx.cfg, {}
 
     def scored(prompts: list[Prompt], n: int, params: Any) -> RolloutBatch:
+        if is_agent(cfg):  # the same trajectories as training's, through the same agent loop
+            return sample_trajectories(ctx, prompts, 0, n=n, params=params)
         ids = encode_prompts(ctx.tokenizer, prompts, cfg.rollout.max_prompt_len)
         groups = servers.generate(ids, n, params)
         return score_groups(
@@ -75,11 +81,46 @@ def _evaluate_served(ctx: RunContext, prefix: str) -> dict[str, float]:
         b = scored(prompts, 1, servers.sampling_params(greedy=True))
         m[f"{prefix}/accuracy"] = float(b.rewards.mean())
         m[f"{prefix}/response_length"] = float(b.response_len.float().mean())
+        m.update(_agent_rates(b, prefix))
     if cfg.training.eval_samples:
         prompts = fixed_train_prompts(ctx.task, cfg.task.eval_size)
         b = scored(prompts, cfg.training.eval_samples, servers.sampling_params())
         m[f"{prefix}/sampled_reward"] = float(b.rewards.mean())
+        m.update({k + "_sampled": v for k, v in _agent_rates(b, prefix).items()})
     return m
+
+
+def is_agent(cfg: Any) -> bool:
+    """Whether the run's rollouts are agent trajectories (``rollout.agent.agent`` or ``.env`` set)."""
+    return cfg.rollout.agent.agent is not None or cfg.rollout.agent.env is not None
+
+
+def _agent_rates(b: RolloutBatch, prefix: str) -> dict[str, float]:
+    """An agent evaluation's ``<prefix>/tool_call_rate`` (calls per trajectory), ``<prefix>/
+    answered_frac`` (trajectories that ended with an answer) and ``<prefix>/turns_mean``; {} for
+    single-turn batches."""
+    rows = b.agent_rows
+    if not rows:
+        return {}
+    k = len(rows)
+    return {
+        f"{prefix}/tool_call_rate": sum(r["tool_calls"] for r in rows) / k,
+        f"{prefix}/answered_frac": b.finish_reasons.count("answered") / k,
+        f"{prefix}/turns_mean": sum(r["turns"] for r in rows) / k,
+    }
+
+
+def eval_due(cfg: Any, step: int) -> bool:
+    """Whether :func:`evaluate` runs after ``step`` RL steps: every ``training.eval_interval`` steps;
+    for an agent run also at 0 (the warm-started policy) and at the last step, so its rise is
+    measured over the whole run. (A single-turn run's step 0 is the exact metric's; its evals stay
+    where they were.)"""
+    every = cfg.training.eval_interval
+    if not every:
+        return False
+    if not is_agent(cfg):
+        return step > 0 and step % every == 0
+    return step % every == 0 or step == cfg.training.num_steps
 
 
 def fixed_train_prompts(task: Task, n: int) -> list[Prompt]:

@@ -100,8 +100,12 @@ class AgentRunner:
         return traj
 
 
-async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[Trajectory]:
+async def _run_all(
+    ctx: RunContext, prompts: Sequence[Prompt], n: int, params: Any = None
+) -> list[Trajectory]:
     runner = AgentRunner(ctx)
+    if params is not None:  # an evaluation's (greedy) sampling
+        runner.params = params
     assert ctx.servers is not None
 
     async def one(sample: Prompt) -> Trajectory:
@@ -114,12 +118,16 @@ async def _run_all(ctx: RunContext, prompts: Sequence[Prompt], n: int) -> list[T
         await ctx.servers.aclose()
 
 
-def sample_trajectories(ctx: RunContext, prompts: list[Prompt], first_group: int) -> RolloutBatch:
-    """Rank 0: ``rollout.n_samples_per_prompt`` agent trajectories of each prompt (the envs state
-    their tools in their own instructions, so no ``tools`` block is rendered), as a batch whose
-    ``loss_mask`` covers the generated ids only (:func:`~megatron_acrl.batch.rollout_batch.build_batch`)."""
-    n = ctx.cfg.rollout.n_samples_per_prompt
-    trajs = asyncio.run(_run_all(ctx, prompts, n))
+def sample_trajectories(
+    ctx: RunContext, prompts: list[Prompt], first_group: int, *, n: int | None = None, params: Any = None
+) -> RolloutBatch:
+    """Rank 0: ``n`` (default ``rollout.n_samples_per_prompt``) agent trajectories of each prompt
+    (the envs state their tools in their own instructions, so no ``tools`` block is rendered), as a
+    batch whose ``loss_mask`` covers the generated ids only
+    (:func:`~megatron_acrl.batch.rollout_batch.build_batch`). ``params``: the sampling of every turn
+    (default the rollout's; the evaluation passes greedy ones)."""
+    n = ctx.cfg.rollout.n_samples_per_prompt if n is None else n
+    trajs = asyncio.run(_run_all(ctx, prompts, n, params))
     return trajectories_batch(
         ctx,
         trajs,

@@ -6,9 +6,27 @@ A trace of ``"347+829="`` (answer ``1176``)::
 
     system     CALCULATOR_INSTRUCTIONS
     user       347+829=
-    assistant  <tool_call>{"name": "calculator", "arguments": {"expression": "347+829"}}</tool_call>
+    assistant  <tool_call>{"arguments":{"expression":"347+829"},"name":"calculator"}</tool_call>
     tool       1176
     assistant  1176
+
+and its direct twin (no tool: the answer at once, which the tiny model cannot compute)::
+
+    system     CALCULATOR_INSTRUCTIONS
+    user       347+829=
+    assistant  1176
+
+The call is compact JSON with the arguments first, so that the operands the model copies sit as
+close to the question as the markup allows: the 2-layer model learns to copy by attending back a
+fixed distance, and a short distance inside a short sequence is what it learns within the warm
+start's few hundred steps (measured: with the long instructions and ``{"name": ..., "arguments":``
+first, 300 steps never copied an operand; this form copies after ~350).
+
+:func:`direct_answer` picks the direct traces of the warm start's last steps
+(:data:`MIXED_TAIL`, :data:`DIRECT_FRACTION`): the model first learns the tool (copy the operands,
+then the result), then that answering at once is also something it does; RL starts from a policy
+that calls the calculator part of the time and is right when it does, so GRPO groups differ and
+RL has something to learn: call the tool.
 
 Rendered with the tokenizer's own chat template and cut where the rollout cuts it (each assistant
 turn's text and its end-of-turn string are what the model generates; everything else, the ``"\\n"``
@@ -21,15 +39,20 @@ Pure Python (no torch): the calculator env imports :data:`CALCULATOR_INSTRUCTION
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-CALCULATOR_INSTRUCTIONS = (
-    "Use the calculator tool for arithmetic: "
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>. '
-    "Then give the final answer as a number."
-)
-"""The calculator env's system message (``megatron_acrl.rollout.agent.envs.calculator``)."""
+CALCULATOR_INSTRUCTIONS = "Use the calculator."
+"""The calculator env's system message (``megatron_acrl.rollout.agent.envs.calculator``). Short on
+purpose: every id of it is attended over at every position (the tiny model learns the call format
+from the traces, not from prose), and the ~150-id explicit form kept the copy from being learned."""
+
+MIXED_TAIL = 0.15
+"""The fraction of the warm start's steps, at its end, whose traces include direct answers."""
+
+DIRECT_FRACTION = 0.6
+"""In those steps, the chance that a trace answers directly instead of calling the calculator."""
 
 END_OF_TURN = "<|im_end|>"
 
@@ -37,17 +60,33 @@ Render = Callable[[Sequence[dict[str, Any]], bool], str]
 """``(messages, add_generation_prompt) -> text``: a chat template."""
 
 
-def calculator_trace(question: str, answer: str) -> list[dict[str, Any]]:
-    """The messages of a correct calculator episode on ``question`` (e.g. ``"347+829="``)."""
-    expression = question.strip().removeprefix("What is").strip().rstrip("=?").strip()
-    call = {"name": "calculator", "arguments": {"expression": expression}}
-    return [
+def calculator_trace(question: str, answer: str, *, use_tool: bool = True) -> list[dict[str, Any]]:
+    """The messages of a correct calculator episode on ``question`` (e.g. ``"347+829="``): call the
+    calculator, then answer its result; with ``use_tool=False`` the answer at once."""
+    opening = [
         {"role": "system", "content": CALCULATOR_INSTRUCTIONS},
         {"role": "user", "content": question},
-        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+    ]
+    if not use_tool:
+        return [*opening, {"role": "assistant", "content": answer}]
+    expression = question.strip().removeprefix("What is").strip().rstrip("=?").strip()
+    call = {"arguments": {"expression": expression}, "name": "calculator"}
+    return [
+        *opening,
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"},
         {"role": "tool", "content": answer},
         {"role": "assistant", "content": answer},
     ]
+
+
+def direct_answer(step: int, total_steps: int, n: int, seed: int) -> list[bool]:
+    """Which of warm-start step ``step``'s ``n`` traces answer directly (no tool): none before the
+    last :data:`MIXED_TAIL` of ``total_steps``, then each with probability :data:`DIRECT_FRACTION`
+    (deterministic in ``seed`` and ``step``)."""
+    if step < total_steps - round(MIXED_TAIL * total_steps):
+        return [False] * n
+    rng = random.Random(seed * 1_000_003 + step)
+    return [rng.random() < DIRECT_FRACTION for _ in range(n)]
 
 
 def trace_segments(messages: Sequence[dict[str, Any]], render: Render) -> list[tuple[str, bool]]:

@@ -40,7 +40,8 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
             cfg.training.sft_batch_size,
             cfg.training.seed,
             # agent warm starts train tool-call traces; a key without an env stays what it was
-            *([f"agent-env={cfg.rollout.agent.env}"] if _traces(cfg) else []),
+            # (v2: compact args-first calls, short instructions, direct answers in the last steps)
+            *([f"agent-env={cfg.rollout.agent.env}:v2"] if _traces(cfg) else []),
         ],
         sort_keys=True,
     )
@@ -63,9 +64,12 @@ def _traces(cfg: Config) -> bool:
     return cfg.rollout.agent.env == "calculator"
 
 
-def trace_batch(prompts: list[Any], tokenizer: Any, pad_id: int) -> dict[str, torch.Tensor]:
+def trace_batch(
+    prompts: list[Any], tokenizer: Any, pad_id: int, direct: list[bool] | None = None
+) -> dict[str, torch.Tensor]:
     """Correct calculator episodes (:mod:`megatron_acrl.warmstart.agent_traces`), right-padded; the
-    loss mask covers the assistant turns (the tool call, the answer, their end-of-turn ids)."""
+    loss mask covers the assistant turns (the tool call, the answer, their end-of-turn ids).
+    ``direct[i]``: prompt i's trace answers without the tool."""
     from megatron_acrl.warmstart.agent_traces import calculator_trace, hf_render, trace_ids
 
     render = hf_render(tokenizer)
@@ -73,7 +77,11 @@ def trace_batch(prompts: list[Any], tokenizer: Any, pad_id: int) -> dict[str, to
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    rows = [trace_ids(calculator_trace(p.text, p.answer), render, encode) for p in prompts]
+    direct = direct or [False] * len(prompts)
+    rows = [
+        trace_ids(calculator_trace(p.text, p.answer, use_tool=not d), render, encode)
+        for p, d in zip(prompts, direct, strict=True)
+    ]
     return _padded(rows, pad_id)
 
 
@@ -100,6 +108,7 @@ def sft_warmstart(
     """Run (or reuse) the warm-start; every trainer rank calls it. Returns the checkpoint directory."""
     from megatron_acrl.algo.losses import sft_loss
     from megatron_acrl.megatron.policy import Policy
+    from megatron_acrl.warmstart.agent_traces import direct_answer
 
     out = Path(cache_root) / f"sft-{sft_cache_key(cfg, base_dir)}"
     if out.is_dir():
@@ -110,7 +119,9 @@ def sft_warmstart(
         training=dataclasses.replace(
             t,
             lr=t.sft_lr,
-            min_lr=0.0,
+            # Tool-call traces: constant LR, so the last steps' direct answers (agent_traces.MIXED_TAIL)
+            # move the policy as much as the first steps' traces did; cosine to 0 would leave them none.
+            min_lr=t.sft_lr if _traces(cfg) else 0.0,
             lr_warmup_steps=0,
             weight_decay=0.0,
             micro_batch_size=min(t.micro_batch_size, t.sft_batch_size),
@@ -131,9 +142,11 @@ def sft_warmstart(
     )
     for step in range(t.sft_steps):
         prompts = list(itertools.islice(stream, n))
-        batch = (
-            trace_batch(prompts, tokenizer, pad) if _traces(cfg) else sft_batch(prompts, tokenizer, eos, pad)
-        )
+        if _traces(cfg):
+            direct = direct_answer(step, t.sft_steps, len(prompts), t.seed)
+            batch = trace_batch(prompts, tokenizer, pad, direct)
+        else:
+            batch = sft_batch(prompts, tokenizer, eos, pad)
         metrics = trainer.train_step(batch)
         if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
             log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
