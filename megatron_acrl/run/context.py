@@ -201,6 +201,9 @@ def setup_run(
     model_dir = model_directory(cfg, rank)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_path or model_dir))
     task = make_task(cfg.task)
+    # Refused before the warm start (minutes), not after it: data parallelism is what the trainer's
+    # ranks leave over tensor x pipeline parallelism (the Policy's own dp group, checked again below).
+    check_batch_layout(cfg, max(1, world // (cfg.parallel.tp * cfg.parallel.pp)))
     if cfg.training.sft_steps > 0:
         from megatron_acrl.warmstart.sft import sft_warmstart
         from megatron_acrl.warmstart.tiny_model import default_cache_dir
