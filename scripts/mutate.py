@@ -10,11 +10,17 @@ input can observe, e.g. a clamp bound that cannot be reached -- are listed, each
 in the table of ``docs/correction.md`` under "Equivalent mutants"; every other survivor is printed
 here to be killed or explained. The last line is ``mutation score: X``; the exit status is 1 when
 X is below the goal (0.9).
+
+``--only GLOB`` (repeatable) narrows a run to the mutants whose names match (fnmatch, as mutmut's own
+``mutmut run NAME...``), e.g. the segment-level correction (``--only segment``, a shorthand for
+:data:`SCOPES` ``["segment"]``); the score is then that scope's, and the survivors' report goes to
+``mutants/survivors.md`` unless ``--report`` says where (``docs/mutation_survivors.md`` is the full run's).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -28,6 +34,25 @@ DOCS = ROOT / "docs" / "correction.md"
 REPORT = ROOT / "docs" / "mutation_survivors.md"
 GOAL = 0.9
 KILLED = {"killed", "timeout", "caught by type check", "segfault", "crashed"}
+SCOPES = {
+    # correction.level: segment -- the Segments sums (segments.py) and the per-turn methods, keeps and
+    # composition in weights.py (_seg_tis, _seg_mis, _seg_geo_mis, seg_mis_keep, seg_geo_keep,
+    # _segment_keep)
+    "segment": ["megatron_acrl.correction.segments.*", "megatron_acrl.correction.weights.x_*seg*"],
+}
+"""Named ``--only`` scopes: mutant-name globs."""
+
+
+def scope_globs(only: list[str]) -> list[str]:
+    """The mutant-name globs of ``--only`` arguments (a name in :data:`SCOPES` stands for its globs)."""
+    return [g for arg in only for g in SCOPES.get(arg, [arg])]
+
+
+def in_scope(statuses: dict[str, str], globs: list[str]) -> dict[str, str]:
+    """The statuses of the mutants matching any of ``globs`` (all of them without globs)."""
+    if not globs:
+        return statuses
+    return {k: v for k, v in statuses.items() if any(fnmatch.fnmatchcase(k, g) for g in globs)}
 
 
 def equivalent_mutants(doc: Path = DOCS) -> dict[str, str]:
@@ -148,20 +173,26 @@ def main() -> int:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="mutants tested at once")
     ap.add_argument("--keep", action="store_true", help="reuse mutants/ of an earlier run (mutmut's cache)")
     ap.add_argument("--score-only", action="store_true", help="score the results in mutants/ without running")
-    ap.add_argument("--report", type=Path, default=REPORT, help="where the survivors' list is written")
+    ap.add_argument("--report", type=Path, default=None, help="where the survivors' list is written")
+    ap.add_argument(
+        "--only", action="append", default=[], metavar="GLOB",
+        help=f"only the mutants matching GLOB (repeatable; named scopes: {', '.join(SCOPES)})",
+    )  # fmt: skip
     args = ap.parse_args()
+    globs = scope_globs(args.only)
+    report = args.report or (ROOT / "mutants" / "survivors.md" if globs else REPORT)
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
     if not args.score_only:
         if not args.keep:
             shutil.rmtree(ROOT / "mutants", ignore_errors=True)
         # one thread per test process: mutmut runs --max-children of them at once
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        cmd = [mutmut, "run", "--max-children", str(args.max_children)]
+        cmd = [mutmut, "run", "--max-children", str(args.max_children), *globs]
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-    every = mutant_statuses(mutmut)
+    every = in_scope(mutant_statuses(mutmut), globs)
     statuses = {k: v for k, v in every.items() if v != "not checked"}  # all of them after a full run
     statuses = recheck_suspicious(statuses)
-    equivalent = equivalent_mutants()
+    equivalent = in_scope(equivalent_mutants(), globs)
     value, survivors, _ = score(statuses, equivalent)
     stale = sorted(set(equivalent) - set(every))
     by_status: dict[str, int] = {}
@@ -173,8 +204,8 @@ def main() -> int:
         print(f"listed as equivalent but not a mutant of this code (renumbered?): {name}")
     for name in survivors:
         print(f"survived: {name} ({statuses[name]}); `mutmut show {name}` shows it")
-    write_report(mutmut, survivors, statuses, value, args.report)
-    print(f"survivors and their changes, by function: {args.report}")
+    write_report(mutmut, survivors, statuses, value, report)
+    print(f"survivors and their changes, by function: {report}")
     print(f"mutation score: {value:.4f}")
     return 0 if value >= GOAL else 1
 

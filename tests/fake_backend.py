@@ -100,6 +100,8 @@ class FakeBackend:
         self.max_new_tokens = max_new_tokens
         self.affinities: list[str | None] = []
         """The affinity key of every :meth:`generate_async` request, in order."""
+        self.unpinned: list[str] = []
+        """The keys :meth:`unpin` forgot, in order (a trajectory's, when it ended)."""
         self.token_delay_s = token_delay_s
         self.pause_mode = pause_mode
         self.url = url
@@ -188,6 +190,9 @@ class FakeBackend:
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda _t: self._count(-len(prompts)))
         return task
+
+    def unpin(self, affinity: str) -> None:
+        self.unpinned.append(affinity)
 
     def in_flight(self) -> dict[str, int]:
         with self._lock:

@@ -336,7 +336,8 @@ def _weight_stats(w: list[list[float]], toks: list[list[int]], n_tok: int) -> di
         "correction/weight_std": math.sqrt(var),
         "correction/weight_max": _ext(max, vals),
         "correction/weight_min": _ext(min, vals),
-        "correction/ess": mean * mean / sq if sq > 0 else NAN,
+        # every weight 0: no effective sample (0); no valid token: undefined (NaN)
+        "correction/ess": mean * mean / sq if sq > 0 else (0.0 if vals else NAN),
     }
 
 

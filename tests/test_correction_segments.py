@@ -426,3 +426,122 @@ def test_the_bound_loss_reads_the_micro_batch_turn_ids():
                      num_tokens=n_tok, num_seqs=n_seq, fused=False)  # fmt: skip
     assert torch.equal(got, want) and not torch.equal(got, seq)
     assert torch.equal(bound(lp_old, micro, n_tok, n_seq)[0], seq)
+
+
+# ------------------------------------------------------------------------------------------------
+# Edges the reference batches do not reach (each kills a mutant that survived them)
+# ------------------------------------------------------------------------------------------------
+
+
+def _one_row(log_ratios, turns):
+    """One row whose valid tokens have exactly these ``log pi_old - log mu`` (exact in float32) and
+    turns; the rest of its 8 places padding (turn -1)."""
+    t = 8
+    lp = torch.full((1, t), -1.0)
+    lq = torch.full((1, t), -1.0)
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    turn_ids = torch.full((1, t), -1)
+    for j, (d, k) in enumerate(zip(log_ratios, turns, strict=True)):
+        lq[0, j + 1] = -1.0 - d
+        mask[0, j + 1] = True
+        turn_ids[0, j + 1] = k
+    return lp, lq, mask, turn_ids
+
+
+@FUSED
+def test_a_segment_exactly_on_a_bound_is_inside_the_band(fused):
+    """The bands are closed: a segment whose ratio is exactly seq_high or seq_low (here e^0 = 1) is
+    neither clipped nor counted as clipped, nor dropped (also geo_mis's); the veto drops a segment
+    with a token *below* the threshold, not one exactly on it."""
+    lp, lq, mask, turns = _one_row([0.5, -0.5, 0.25, -0.25, 1.0], [0, 0, 1, 1, 2])  # sums 0, 0, 1
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    n = int(mask.sum())
+
+    def run(**kw):
+        corr = compute_correction(_seg(**kw), sh, num_tokens=n, num_seqs=1, turn_ids=turns)
+        return corr.weights[mask].tolist(), finalize_metrics(corr.metrics)
+
+    w, m = run(method="seq_tis", seq_low=0.5, seq_high=1.0)
+    assert w == [1.0] * 5  # the e^1 segment clipped to 1; the two on the bound are not clipped
+    assert m["correction/seg_clip_frac_high"] == pytest.approx(1 / 5)
+    assert m["correction/seg_clip_frac_low"] == 0.0
+    w, m = run(method="seq_tis", seq_low=1.0, seq_high=2.0)
+    assert m["correction/seg_clip_frac_low"] == 0.0 and m["correction/seg_clip_frac_high"] == pytest.approx(
+        1 / 5
+    )
+    for method, low, high in (("seq_mis", "seq_low", "seq_high"), ("geo_mis", "geo_low", "geo_high")):
+        for band in ((0.5, 1.0), (1.0, 2.0)):  # on the high bound, then on the low one
+            w, m = run(method=method, **{low: band[0], high: band[1]})
+            assert [round(v, 6) for v in w] == [1.0, 1.0, 1.0, 1.0, 0.0], (method, band, w)
+            assert m["correction/seg_masked_frac"] == pytest.approx(1 / 5)
+    seg = Segments(sh, turns)
+    assert seg.vetoed(math.exp(-0.5))[mask].tolist() == [False] * 5  # -0.5 is not below e^-0.5 ...
+    assert seg.vetoed(1.0)[mask].tolist() == [True, True, True, True, False]  # ... -0.5 < 0 is
+
+
+@FUSED
+def test_segment_ratios_beyond_the_log_bound_are_clamped_to_it(fused):
+    """A segment's log-ratio is clamped to +-20 before its exp (the weight is e^+-20, to the last
+    digit, not e^+-25): seq_tis with an open band and seq_mis without a band on it."""
+    lp, lq, mask, turns = _one_row([12.5, 12.5, -12.5, -12.5, 0.5], [0, 0, 1, 1, 2])  # +25, -25, 0.5
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    n = int(mask.sum())
+    for cfg in (
+        _seg(method="seq_tis", seq_low=0.0, seq_high=1e30),
+        _seg(method="seq_mis", seq_low=0.0, seq_high=1e30),
+    ):
+        w = compute_correction(cfg, sh, num_tokens=n, num_seqs=1, turn_ids=turns).weights.double()[mask]
+        want = torch.tensor(
+            [math.exp(BOUND)] * 2 + [math.exp(-BOUND)] * 2 + [math.exp(0.5)], dtype=torch.float64
+        )
+        assert torch.allclose(w, want, rtol=1e-6, atol=0), (cfg.method, w)
+
+
+@FUSED
+def test_the_method_keep_and_every_mask_all_apply(fused):
+    """A segment survives only if the method's band and every mask keep it: one segment dropped by
+    the product band alone (four small steps), one by the geometric band alone (one big step)."""
+    lp, lq, mask, turns = _one_row([0.2, 0.2, 0.2, 0.2, 0.5, 0.1, -0.1], [0, 0, 0, 0, 1, 2, 2])
+    sh = MismatchTensors(lp, lq, mask, fused=fused)
+    bands = dict(seq_low=0.5, seq_high=2.0, geo_low=0.8, geo_high=1.25)
+    for kw in (dict(method="seq_mis", masks=("geo_mis",)), dict(method="none", masks=("seq_mis", "geo_mis"))):
+        corr = compute_correction(_seg(**kw, **bands), sh, num_tokens=7, num_seqs=1, turn_ids=turns)
+        assert [round(v, 5) for v in corr.weights[mask].tolist()] == [0.0] * 5 + [1.0] * 2, kw
+        assert finalize_metrics(corr.metrics)["correction/seg_masked_frac"] == pytest.approx(5 / 7)
+
+
+def test_segments_layout_index_and_units():
+    """``index`` is ``row * K + turn`` on the valid tokens and turn 0's segment elsewhere (padding's
+    turn -1 never makes a segment of its own), K the largest turn + 1; a batch without tokens has
+    one unit per row."""
+    lp = torch.zeros(2, 4)
+    lq = torch.tensor([[0.0, -0.5, -0.25, 0.0], [-1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    turns = torch.tensor([[-1, 0, 2, -1], [1, -1, -1, -1]])
+    seg = Segments(MismatchTensors(lp, lq, mask, fused=False), turns.float())  # a float row works too
+    assert seg.num_units == 2 * 3 and seg.index.dtype == torch.int64
+    assert seg.index.tolist() == [[0, 0, 2, 0], [4, 3, 3, 3]]
+    assert seg.count.dtype == torch.float64 and seg.count.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert seg.unit_sums(mask.double()).tolist() == [1, 0, 1, 0, 1, 0]
+    empty = torch.zeros(2, 0)
+    none = Segments(MismatchTensors(empty, empty, torch.zeros(2, 0, dtype=torch.bool), fused=False), empty)
+    assert none.num_units == 2 and none.log_ratio.shape == (2, 0)
+
+
+def test_bad_turn_ids_messages_are_whole():
+    """The errors name what is wrong and the fix, word for word."""
+    lp, lq, mask, turns, _ = multi_turn_batch(0)
+    sh = MismatchTensors(lp, lq, mask, fused=False)
+    with pytest.raises(ValueError) as err:
+        Segments(sh, turns[:, 1:])
+    assert str(err.value) == (
+        "turn_ids of shape (5, 23) do not match the log-probs' (5, 24): pass the micro-batch's own "
+        "turn_ids ([B, T], -1 off generated tokens)"
+    )
+    broken = torch.where(mask, -1, turns)
+    with pytest.raises(ValueError) as err:
+        Segments(sh, broken)
+    assert str(err.value) == (
+        "turn_ids is negative on a trained token (loss_mask 1, finite log-probs): every trained "
+        "token must carry the turn that generated it; the batch's turn_ids and loss_mask disagree"
+    )

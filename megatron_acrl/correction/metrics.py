@@ -189,8 +189,9 @@ def weight_metrics(
             from ``mask`` when None; mask_f: ``mask`` as a float64 row (:attr:`MismatchTensors.mask_f`),
             likewise.
     Returns:
-        ``weight_mean``, ``weight_dev_sq_mean`` (``E[(w - 1)^2]``, sum-reduced; the std, ``E[w^2]``
-        and ``ess`` are derived in :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
+        ``weight_mean``, ``weight_dev_sq_mean`` (``E[(w - 1)^2]``, sum-reduced), ``weight_sq_lse``
+        (``log E[w^2]``, lse-reduced: scale-free, :func:`sq_mean_lse`; the std, ``E[w^2]`` and
+        ``ess`` are derived in :func:`finalize_metrics`), ``weight_max``, ``weight_min``.
     """
     extra = extra_token_rows or {}
     w = weights.detach()
@@ -242,7 +243,34 @@ def token_row_metrics(
     else:  # two scalars as they come (a stack and an unbind would be two more calls)
         w_max, w_min = (w + pad).amax(), (w - pad).amin()
     out[prefix + "weight_max"], out[prefix + "weight_min"] = w_max, w_min
+    out[prefix + "weight_sq_lse"] = sq_mean_lse(w, w_max, num_tokens)
     return out
+
+
+def sq_mean_lse(weights: Tensor, w_max: Tensor, num_tokens: int | Tensor) -> Tensor:
+    """``log(sum w^2 / num_tokens)``, the lse-reduced partial of ``E[w^2]`` that the effective sample
+    size reads, at any scale of the weights.
+
+    ``E[w^2]`` cannot come from ``E[(w - 1)^2] + 2 E[w] - 1``: for weights far below 1 the three terms
+    are about 1 and cancel (at w ~ 1e-8, every digit of E[w^2] ~ 1e-16 is lost and the ess read NaN).
+    The squares are summed in float64: those of float32 (or narrower) weights never leave its range
+    (1e-45^2 and 3e38^2 are inside it), one pass; float64 weights are first divided by the
+    micro-batch's largest weight (each then at most 1, the largest exactly 1: no square under- or
+    overflows beyond 1e+-154) and the scale goes back in log space, ``log sum (w / M)^2 + 2 log M``.
+
+    Args:
+        weights: ``[B, T]`` non-negative, 0 off the valid tokens.
+        w_max: ``[]`` the largest weight on the valid tokens (-inf for none).
+        num_tokens: the global number of valid tokens.
+    Returns:
+        ``[]`` float64; -inf when every weight is 0 (or there is none): the identity of the lse.
+    """
+    if weights.dtype.itemsize <= 4:
+        norm = torch.linalg.vector_norm(weights, dtype=torch.float64)  # cast first, then squared
+        return (norm.square() * _denominator(num_tokens, norm)).log()
+    m = w_max.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny)  # all 0: sums 0, log -inf
+    flat = (weights / m).reshape(-1)
+    return (torch.dot(flat, flat) * _denominator(num_tokens, flat)).log() + 2.0 * m.log()
 
 
 def _to_floats(values: list[Tensor]) -> list[float]:
@@ -285,9 +313,12 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
 
     Derives, where their inputs are present: ``*chi2_seq`` from ``*chi2_seq_lse`` (NaN for a batch
     without a sequence), ``*weight_std``, ``*weight_sq_mean`` and ``*ess`` (effective sample size
-    per token, ``E[w]^2 / E[w^2]`` in (0, 1]) from ``*weight_mean`` / ``*weight_dev_sq_mean``
-    (``E[(w - 1)^2]``, which it drops). A max of nothing is
-    -inf and a min of nothing +inf: those become NaN, while a genuine +inf max (-inf min) stays.
+    per token, ``E[w]^2 / E[w^2]`` in (0, 1]) from ``*weight_mean``, ``*weight_dev_sq_mean``
+    (``E[(w - 1)^2]``) and ``*weight_sq_lse`` (``log E[w^2]``), which it drops. The ess is computed
+    in log space, ``exp(2 log E[w] - log E[w^2])``: invariant to the scale of the weights and finite
+    at any scale; weights that are all 0 have an ess of 0 (no token carries weight), a batch without
+    a valid token NaN. A max of nothing is -inf and a min of nothing +inf: those become NaN, while a
+    genuine +inf max (-inf min) stays.
     """
     keys = list(partials)
     if not keys:
@@ -308,12 +339,24 @@ def finalize_metrics(partials: dict[str, Tensor]) -> dict[str, float]:
         dev = out.pop(base + "weight_dev_sq_mean", None)
         if dev is None:
             continue
-        mean = out[k]
-        # E[w^2] = E[(w - 1)^2] + 2 E[w] - 1, and >= 0: a batch without a valid token has E[w] = 0
-        # and E[(w - 1)^2] = 0 (sums over nothing), where the identity gives -1; it reads 0 like
-        # weight_mean and weight_std (the ess, a ratio, is NaN there)
-        sq = max(dev + 2.0 * mean - 1.0, 0.0)
-        out[base + "weight_sq_mean"] = sq
-        out[base + "weight_std"] = math.sqrt(max(dev - (mean - 1.0) ** 2, 0.0))
-        out[base + "ess"] = mean * mean / sq if sq > 0 else math.nan
+        _weight_spread(out, base, out[k], dev, out.pop(base + "weight_sq_lse", None))
     return out
+
+
+def _weight_spread(out: dict[str, float], base: str, mean: float, dev: float, sq_lse: float | None) -> None:
+    """``weight_sq_mean``, ``weight_std`` and ``ess`` of :func:`finalize_metrics` into ``out``."""
+    # Without the log partial (the fused C pass of plain ACRL): E[w^2] = E[(w - 1)^2] + 2 E[w] - 1,
+    # exact where the weights live about 1. A batch without a valid token has E[w] = 0 and
+    # E[(w - 1)^2] = 0 (sums over nothing), where that identity gives -1: it reads 0.
+    sq = max(dev + 2.0 * mean - 1.0, 0.0) if sq_lse is None else math.exp(sq_lse)
+    out[base + "weight_sq_mean"] = sq
+    # Var = E[(w - 1)^2] - (E[w] - 1)^2 about 1; far below 1 (E[w^2] < E[(w - 1)^2]) that difference
+    # of two numbers near 1 loses every digit, and E[w^2] - E[w]^2 is the exact one.
+    var = sq - mean * mean if sq_lse is not None and sq < dev else dev - (mean - 1.0) ** 2
+    out[base + "weight_std"] = math.sqrt(max(var, 0.0))
+    if sq_lse is None:
+        out[base + "ess"] = mean * mean / sq if sq > 0 else math.nan
+    elif sq_lse == -math.inf:  # every weight 0 (no sample counts), or no valid token at all
+        out[base + "ess"] = 0.0 if out.get(base + "weight_max") == 0.0 else math.nan
+    else:  # scale-free; at most 1 (Cauchy-Schwarz), up to rounding
+        out[base + "ess"] = min(math.exp(2.0 * math.log(mean) - sq_lse), 1.0) if mean > 0 else math.nan

@@ -46,7 +46,7 @@ from torch import Tensor
 from megatron_acrl.config import CorrectionConfig
 from megatron_acrl.correction import fused_cpu
 from megatron_acrl.correction.acrl import AcrlSignal, acrl_alpha, acrl_coefficient
-from megatron_acrl.correction.metrics import row_sums, token_row_metrics, weight_metrics
+from megatron_acrl.correction.metrics import row_sums, sq_mean_lse, token_row_metrics, weight_metrics
 from megatron_acrl.correction.mismatch import LOG_RATIO_BOUND, MismatchTensors, cached_const
 from megatron_acrl.correction.segments import Segments, segments_of
 
@@ -468,4 +468,5 @@ def _acrl_fused(
     )  # fmt: skip
     metrics = dict(zip(names, means, strict=True))
     metrics["correction/weight_max"], metrics["correction/weight_min"] = w_max, w_min
+    metrics["correction/weight_sq_lse"] = sq_mean_lse(weights, w_max, num_tokens)  # the ess's E[w^2]
     return Correction(weights=weights, metrics=metrics)

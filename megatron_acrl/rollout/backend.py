@@ -68,6 +68,11 @@ class RolloutBackend(Protocol):
         the turns of one trajectory reuse its prefix cache."""
         ...
 
+    def unpin(self, affinity: str) -> None:
+        """Forget ``affinity``: its trajectory ended (finished, truncated, failed, regenerated), so
+        the pins held are those of the trajectories in flight (an unknown key is no error)."""
+        ...
+
     def in_flight(self) -> dict[str, int]:
         """Samples in flight per dispatch target (each server, or the router): the same keys from
         call to call until a restart."""

@@ -124,6 +124,12 @@ class TurnGate:
         assert self.session is not None
         return asyncio.ensure_future(self.engine.send_turn(self.session, prompt_ids, params, affinity))
 
+    def unpin(self, affinity: str) -> None:
+        """The trajectory ended: the servers forget its affinity key."""
+        unpin = getattr(self.engine.servers, "unpin", None)
+        if unpin is not None:
+            unpin(affinity)
+
 
 class GenerationEngine:
     """Rank 0's generation thread (module doc). The trainer's thread calls the public methods."""

@@ -48,7 +48,9 @@ class Dispatch:
         self.adapters = adapters
         self._lock = threading.Lock()  # the engine's loop thread and the trainer's thread both count
         self._counts: dict[str, int] = {}
-        self._pins: dict[str, str] = {}  # affinity key -> the target its first request went to
+        # affinity key -> the target its first request went to; a key lives as long as its trajectory
+        # (the agent session unpins it when it ends), so this holds the trajectories in flight only
+        self._pins: dict[str, str] = {}
         self._clients: dict[asyncio.AbstractEventLoop, dict[str, Any]] = {}
 
     def client(self, url: str, cap: int) -> Any:
@@ -60,8 +62,13 @@ class Dispatch:
                 mine[url] = self._new_client(url, cap)
             return mine[url]
 
+    def pinned(self) -> dict[str, str]:
+        """The affinity keys pinned now and their targets (a copy): the trajectories in flight."""
+        with self._lock:
+            return dict(self._pins)
+
     def unpin(self, affinity: str) -> None:
-        """Forget ``affinity``'s target (its trajectory ended)."""
+        """Forget ``affinity``'s target (its trajectory ended); an unknown key is no error."""
         with self._lock:
             self._pins.pop(affinity, None)
 
@@ -116,7 +123,8 @@ class Dispatch:
         goes to the server the first one went to while that server is among ``targets``, so the
         turns of one trajectory reuse its prefix cache; :meth:`unpin` forgets the key. Through
         sglang-router (not ``batched``) the key also goes as its routing-key header, which its
-        ``consistent_hashing`` policy hashes to one worker while that worker lives."""
+        ``consistent_hashing`` policy hashes to one worker while that worker lives (a hash ring of
+        the workers: the router keeps nothing per key, so there is nothing to forget there)."""
         k = len(prompt_ids)
         with self._lock:
             url = self._pins.get(affinity) if affinity is not None else None

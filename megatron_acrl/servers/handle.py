@@ -423,6 +423,10 @@ class RolloutServers(ServerRecovery):
             targets, prompt_ids, params, cap=self._cap(), batched=self.router is None, affinity=affinity
         )
 
+    def unpin(self, affinity: str) -> None:
+        """Forget ``affinity``'s server: its trajectory ended (:meth:`Dispatch.unpin`)."""
+        self.dispatch.unpin(affinity)
+
     def in_flight(self) -> dict[str, int]:
         """Samples in flight on each dispatch target: the router, or every server (dead ones too)."""
         return self.dispatch.in_flight([self.router.url] if self.router is not None else self.urls)

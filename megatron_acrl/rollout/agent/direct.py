@@ -66,6 +66,10 @@ class ServerBackend:
             self.urls, prompt_ids, params, cap=self.cap, batched=not self.router, affinity=affinity
         )
 
+    def unpin(self, affinity: str) -> None:
+        """Forget ``affinity``'s server: its trajectory ended (:meth:`Dispatch.unpin`)."""
+        self.dispatch.unpin(affinity)
+
     def in_flight(self) -> dict[str, int]:
         return self.dispatch.in_flight(self.urls)
 

@@ -16,7 +16,8 @@ envs parse the model's tool calls with their :class:`~megatron_acrl.rollout.agen
 :func:`run_trajectory` never raises for a trajectory's own fault: a limit (:class:`TrajectoryEnd`),
 an agent or env that raises, a tool that fails end that trajectory with a recorded reason and
 reward 0 (or the reward the env gave so far); the step goes on. Only the servers' errors
-(``ServerGoneError``, ``TimeoutError`` of a request) propagate, for the rollout's retry.
+(``ServerGoneError``, ``TimeoutError`` of a request) propagate, for the rollout's retry. However it
+ends, the session is closed: its affinity pin is dropped (a regenerated trajectory has a new key).
 """
 
 from __future__ import annotations
@@ -93,4 +94,6 @@ async def run_trajectory(agent: AgentFn, session: AgentSession, sample: Prompt) 
     except Exception as err:  # noqa: BLE001 - an agent or env fault ends only its trajectory
         traj.reward, traj.reason = 0.0, "agent_error"
         traj.texts.append(f"[agent error] {type(err).__name__}: {err}")
+    finally:  # also on a server's error and on cancellation: no turn of it follows
+        session.close()
     return traj

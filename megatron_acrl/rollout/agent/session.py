@@ -16,6 +16,11 @@ version -1, turn -1 and loss 0. Nothing generated is ever decoded and re-encoded
 Limits end a trajectory by raising :class:`TrajectoryEnd` from :meth:`AgentSession.generate`
 (``max_turns``, ``max_tokens``); the agent loop records the reason.
 
+The affinity pin lives as long as the trajectory: every turn goes to the server its first turn went
+to, and :meth:`AgentSession.close` (the agent loop calls it however the trajectory ends: finished,
+truncated, stale, its agent or its server failed, cancelled) has the backend forget the key
+(``unpin``), so the dispatch's pin table holds only the trajectories in flight.
+
 In ``rollout.mode: async`` the generation engine (:mod:`megatron_acrl.rollout.engine`) runs the
 sessions through a backend of its own that holds each turn while the engine is held (an evaluation,
 a draining weight update) and marks the session :attr:`~AgentSession.stale` when its oldest
@@ -129,6 +134,15 @@ class AgentSession:
         self._stop = tuple(eot) if len(eot) == 1 else ()
         self._last_text: str | None = None
         self._last_closed = True
+
+    def close(self) -> None:
+        """The trajectory ended (module doc): drop its affinity pin, so that the backend's pin table
+        does not grow with every trajectory of a run. A backend without pins (no ``unpin``) keeps
+        none; a second call does nothing."""
+        key, self.affinity = self.affinity, None
+        unpin = getattr(self.backend, "unpin", None)
+        if key is not None and unpin is not None:
+            unpin(key)
 
     @property
     def last_turn_closed(self) -> bool:
