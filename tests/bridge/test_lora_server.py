@@ -161,6 +161,22 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     assert in_flight == 1 and retired == 0, "the request ended before v4 was loaded: lengthen it"
     assert [s.weight_version for s in samples] == ["step-3", "step-3"]
     assert all(s.weight_versions == [{"version": "step-3", "start": 0, "end": 480}] for s in samples)
+    # Every token came from v3 (the adapter the request acquired), none from v4 loaded meanwhile:
+    # sampled log-probs of output tokens 300-399 (sampled well after v4 was loaded) against both
+    # adapters' teacher-forced scoring of the ~400-token sequences. (This rescoring once came back
+    # "malformed": SGLang echoes the last vocabulary id as 0, see sglang_bridge.samples.target_logprobs.)
+    seqs = [s.prompt_ids + s.output_ids[:400] for s in samples]
+
+    async def rescore(name: str) -> list[list[float]]:
+        async with SGLangClient(url) as c:
+            return await c.score(seqs, [100, 100], lora_path=name)
+
+    got = torch.tensor([s.rollout_logprobs[300:400] for s in samples])
+    v3, v4 = (torch.tensor(asyncio.run(rescore(n))) for n in ("policy@v3", "policy@v4"))
+    own, other = (got - v3).abs(), (got - v4).abs()
+    print(f"sampled vs v3 / v4 mean |dlogp|: {float(own.mean()):.2e} / {float(other.mean()):.2e}")
+    assert float(own.mean()) < TOL / 2 and float(own.max()) < 0.1
+    assert float(other.mean()) > 5 * float(own.mean())
     assert adapters.retire_now() == 1
     assert served_adapters(url) == {"policy@v4"} and adapters.live() == {"policy@v4"}
 
@@ -171,6 +187,43 @@ class AdapterPolicy:
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return self.adapter
+
+
+def test_long_sequences_holding_the_last_vocab_id_score_on_an_adapter(
+    lora_server: SGLangServer, adapters: AdapterSync, lm: LoraManifest, tiny_ckpt: Path
+) -> None:
+    # SGLang echoes id vocab_size - 1 as 0 in input_token_logprobs; its log-prob is the real
+    # token's: checked against the same server's per-id log-prob of that token (token_ids_logprob)
+    url, top = (
+        lora_server.url,
+        int(Manifest.from_checkpoint(tiny_ckpt).tensors["model.embed_tokens.weight"].shape[0]) - 1,
+    )
+    adapters.push(make_adapter(lm, RANK, seed=6), "step-6")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, top, (407,), generator=g) for _ in range(2)]
+    for s in seqs:
+        s[[50, 200, 300, 406]] = top
+    seqs_l = [s.tolist() for s in seqs]
+
+    async def run() -> list[list[float]]:
+        async with SGLangClient(url) as c:
+            return await c.score(seqs_l, [400, 400], lora_path="policy@v6")
+
+    got = torch.tensor(asyncio.run(run()))
+    body = {
+        "input_ids": seqs_l,
+        "sampling_params": [{"max_new_tokens": 0}] * 2,
+        "return_logprob": True,
+        "logprob_start_len": [6, 6],
+        "token_ids_logprob": [[top], [top]],
+        "lora_path": "policy@v6",
+    }
+    outs = requests.post(url + "/generate", json=body, timeout=300).json()
+    for i, o in enumerate(outs):
+        per_id = o["meta_info"]["input_token_ids_logprobs"]
+        for p in (50, 200, 300, 406):
+            assert abs(float(got[i, p - 7]) - per_id[p - 6][0][0]) < 1e-3  # same forward, other batch
+    assert got.shape == (2, 400)
 
 
 def test_a_restarted_server_gets_the_adapter_back(tiny_ckpt: Path, lm: LoraManifest, tmp_path: Path) -> None:
