@@ -2,8 +2,10 @@
 ``lora_cpu`` patch): one LoRA server shared by the module's tests (the recovery test starts its own
 through the run's handle, which it kills).
 
-* an adapter pushed with ``/load_lora_adapter_from_tensors`` serves the same log-probs as the merged
-  weights W + (alpha / r) B A pushed through today's full update (the layout proof's tolerance);
+* an adapter pushed as a PEFT file on tmpfs (``/load_lora_adapter``, servers on this host) serves the
+  same log-probs as the merged weights W + (alpha / r) B A pushed through today's full update (the
+  layout proof's tolerance), and as the same adapter sent as a ``flattened_bucket`` payload
+  (``/load_lora_adapter_from_tensors``, servers on other hosts);
 * a bad adapter is refused by the validator before any POST, and the server still serves;
 * a version loaded while a request of the old one runs: the request keeps the old adapter, the old
   version is retired only once it ended;
@@ -90,6 +92,14 @@ def test_an_adapter_push_serves_what_the_merged_weights_serve(
     assert m["sync/adapter_rank"] == RANK and "policy@v1" in served_adapters(url)
     served = score(url, "policy@v1")
     assert (served - base).abs().max() > 0.1  # the adapter moves the log-probs
+    assert adapters.transport == "disk"
+    remote = AdapterSync([url], lm, adapters.config, timeout_s=120, background=False, transport="tensors")
+    try:
+        remote.push(adapter, "tensors-1")
+        assert float((score(url, "policy@tensors-1") - served).abs().max()) < 1e-4  # the same bf16 values
+    finally:
+        remote.close()
+        requests.post(url + "/unload_lora_adapter", json={"lora_name": "policy@tensors-1"}, timeout=120)
 
     manifest = Manifest.from_checkpoint(tiny_ckpt)
     weights: dict[str, torch.Tensor] = {}
