@@ -223,6 +223,15 @@ def test_scoring_accepts_sglangs_zeroed_echo_of_the_last_vocab_id() -> None:
         target_logprobs(out, [5, 319, 7, 320, 9], 4, "u")
 
 
+def test_a_peft_export_of_moe_expert_adapters_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    from megatron_acrl.megatron import lora
+
+    state = {f"{PEFT_PREFIX}model.layers.0.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(4, 8)}
+    with pytest.raises(ValueError, match=r"model.lora.target_modules.*--export-hf-merged"):
+        lora.write_peft_dir(state, {}, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_the_adapter_config_is_plain_lora_over_the_hf_modules() -> None:
     c = adapter_config(LoraConfig(rank=8, alpha=16.0, target_modules=("linear_qkv",)), "/m")
     assert c["target_modules"] == ["q_proj", "k_proj", "v_proj"] and c["lora_alpha"] == 16.0
