@@ -8,15 +8,18 @@ does: ~129 MB bf16 at the defaults), starts one SGLang server on it with the LoR
 ``--rank``) and measures, interleaved (the order flips every rep), median of ``--reps``:
 
 * adapter: :meth:`megatron_acrl.servers.lora_sync.AdapterSync.push` of a rank-``--rank`` adapter
-  on every linear layer (a new version each rep): validation against the served model, the plain
-  pickle + base64 payload, ``/load_lora_adapter_from_tensors``; the previous version is retired
-  after the timing (off the sync's critical path, as in a run);
+  on every linear layer (a new version each rep) as a run with servers on its own host does it:
+  validation against the served model, packing into one bf16 buffer, a PEFT file on tmpfs,
+  ``/load_lora_adapter``; the previous version is retired after the timing (off the sync's critical
+  path, as in a run);
+* adapter, any host: the same push with ``transport="tensors"`` (one ``flattened_bucket`` payload,
+  ``/load_lora_adapter_from_tensors``): what servers on other hosts get (printed, not the goal);
 * full: :meth:`sglang_bridge.weight_sync.DistributedWeightSynchronizer.sync` of every weight in bf16
   (today's path without FP8: the cheapest full sync, so the ratio is not flattered).
 
-Bytes moved per push: the adapter's tensors in the servers' dtype (what SGLang loads) and its wire
-payload (base64 of the pickle, 4/3 larger), against the full sync's broadcast bytes; the goal figure
-uses the wire payload.
+Bytes moved per push: the adapter's tensors in the servers' dtype (what SGLang loads) and what the
+push writes (the PEFT file; a remote push sends base64, 4/3 larger, printed too), against the full
+sync's broadcast bytes.
 
 Then the other way of moving an adapter, the bridge's weight-update group: the same adapter (new
 values) broadcast as one flattened bucket (``/update_weights_from_distributed``, between the
@@ -138,26 +141,36 @@ def measure(args: argparse.Namespace, work: Path) -> list[str]:
     with ServerGroup([spec], log_dir=work / "logs", startup_timeout_s=900) as group:
         url = group.servers[0].url
         config = adapter_config(LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
-        adapters = AdapterSync([url], lm, config, timeout_s=600, background=False)
+        adapters = AdapterSync([url], lm, config, timeout_s=600, background=False)  # local: disk
+        remote = AdapterSync([url], lm, config, timeout_s=600, background=False, transport="tensors")
         sync = DistributedWeightSynchronizer([url], manifest, timeout_s=600)
         sync.connect()
         try:
-            first = adapters.push(make_adapter(lm, args.rank, 0), "step-0")  # warm both paths
+            first = adapters.push(make_adapter(lm, args.rank, 0), "step-0")  # warm every path
+            remote.push(make_adapter(lm, args.rank, 0), "remote-0")
             warm = sync.sync(named, "full-0")
             assert warm.num_bytes == full_bytes, (warm.num_bytes, full_bytes)
             t_ad: list[float] = []
-            parts: list[tuple[float, float, float]] = []
+            t_rem: list[float] = []
+            parts: dict[str, list[tuple[float, float, float]]] = {"disk": [], "tensors": []}
             t_full: list[float] = []
+            order = ("adapter", "full", "tensors")
             for i in range(args.reps):
                 adapter = make_adapter(lm, args.rank, i + 1)
-                for which in ("adapter", "full") if i % 2 == 0 else ("full", "adapter"):
-                    if which == "adapter":
-                        m = adapters.push(adapter, f"step-{i + 1}")
-                        t_ad.append(m["sync/seconds"])
-                        parts.append((m["sync/validate_s"], m["sync/serialize_s"], m["sync/post_s"]))
-                        adapters.retire_now()  # off the critical path in a run
-                    else:
+                for which in order[i % 3 :] + order[: i % 3]:  # rotate: no path always runs first
+                    if which == "full":
                         t_full.append(sync.sync(named, f"full-{i + 1}").seconds)
+                        continue
+                    ad, label = (
+                        (adapters, f"step-{i + 1}") if which == "adapter" else (remote, f"remote-{i + 1}")
+                    )
+                    m = ad.push(adapter, label)
+                    (t_ad if which == "adapter" else t_rem).append(m["sync/seconds"])
+                    parts[ad.transport].append(
+                        (m["sync/validate_s"], m["sync/serialize_s"], m["sync/post_s"])
+                    )
+                    ad.retire_now()  # off the critical path in a run
+            rem_wire = remote.push(adapter, "remote-last")["sync/wire_bytes"]
             try:
                 check = update_group_check(sync, adapters, url, adapter, args.vocab)
             except AssertionError as e:  # the server refused the bucket: it cannot load them either
@@ -166,18 +179,28 @@ def measure(args: argparse.Namespace, work: Path) -> list[str]:
         finally:
             sync.close()
             adapters.close()
+            remote.close()
     ad_bytes, wire = first["sync/bytes"], first["sync/wire_bytes"]
     print(
-        f"adapter push (rank {args.rank}, {int(first['sync/tensors'])} tensors): "
-        f"median {median(t_ad):.4f}s of {args.reps} [{' '.join(f'{x:.4f}' for x in t_ad)}]; "
-        f"{ad_bytes / 1e6:.2f} MB of tensors (bf16), {wire / 1e6:.2f} MB on the wire (base64 pickle)"
+        f"adapter push, servers on this host (rank {args.rank}, {int(first['sync/tensors'])} tensors, "
+        f"PEFT file on tmpfs + /load_lora_adapter): median {median(t_ad):.4f}s of {args.reps} "
+        f"[{' '.join(f'{x:.4f}' for x in t_ad)}]; {ad_bytes / 1e6:.2f} MB of tensors (bf16), "
+        f"{wire / 1e6:.2f} MB written"
+    )
+    print(
+        f"adapter push, any host (flattened_bucket /load_lora_adapter_from_tensors): median "
+        f"{median(t_rem):.4f}s [{' '.join(f'{x:.4f}' for x in t_rem)}]; {rem_wire / 1e6:.2f} MB on the wire"
     )
     print(
         f"full sync (bf16): median {median(t_full):.4f}s of {args.reps} "
         f"[{' '.join(f'{x:.4f}' for x in t_full)}]; {full_bytes / 1e6:.1f} MB"
     )
-    v, z, p = (median(x[k] for x in parts) for k in range(3))
-    print(f"adapter push median parts: validate {v:.4f}s, serialize {z:.4f}s, POST + server load {p:.4f}s")
+    for how, rows in parts.items():
+        v, z, p = (median(x[k] for x in rows) for k in range(3))
+        print(
+            f"adapter push ({how}) median parts: validate+pack {v:.4f}s, serialize {z:.4f}s, "
+            f"POST + server load {p:.4f}s"
+        )
     if check:
         loads = check["moved"] > 0.5 * check["to_new"]
         print(
@@ -187,10 +210,12 @@ def measure(args: argparse.Namespace, work: Path) -> list[str]:
             f"serve {check['to_new']:.2e} away; base moved {check['base_moved']:.2e}; "
             f"loads LoRA: {'yes' if loads else 'no'}"
         )
-    ratios = [a / f for a, f in zip(t_ad, t_full, strict=True)]
+    print(f"sync time ratio adapter (any host, tensors)/full: {median(t_rem) / median(t_full):.4f}")
+    ratios = [a / f for a, f in zip(t_ad, t_full, strict=True)]  # the same rep's pair
     print("per-rep adapter/full time: " + " ".join(f"{r:.3f}" for r in ratios))
     return [
         f"adapter tensor bytes / full bytes: {ad_bytes / full_bytes:.4f}",
+        f"bytes moved per push adapter (any host)/full [rank {args.rank}]: {rem_wire / full_bytes:.4f}",
         f"bytes moved per push adapter/full [rank {args.rank}]: {wire / full_bytes:.4f}",
         f"sync time ratio adapter/full: {median(t_ad) / median(t_full):.4f}",
     ]

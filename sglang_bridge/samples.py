@@ -90,10 +90,23 @@ def decode_routed_experts(encoded: str, num_positions: int, topk: int) -> np.nda
 
 def target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> list[float]:
     """The last ``k`` entries of one scoring answer's ``input_token_logprobs`` (``[logprob, token,
-    text]`` each), checked against the sequence's own tokens."""
+    text]`` each), checked against the sequence's own tokens.
+
+    SGLang 0.5.23 echoes the last vocabulary id (``vocab_size - 1``) as token 0 in this list
+    (``scheduler_components/logprob_result_processor.py``: ``x if x < vocab_size - 1 else 0``, meant
+    for image-hash ids) while its log-prob is that of the real token. Input ids >= ``vocab_size`` are
+    refused at the door, so the only id echoed as 0 besides 0 itself is the largest one the vocabulary
+    has: an echo of 0 is accepted where every such position expects one and the same id, the largest
+    of the sequence. A shifted or truncated answer still fails (its echoes differ elsewhere)."""
     entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
     tail = entries[-k:]
-    if len(tail) != k or any(e[0] is None or int(e[1]) != t for e, t in zip(tail, seq[-k:], strict=True)):
+    want = seq[-k:]
+    ok = len(tail) == k and all(e[0] is not None for e in tail)
+    if ok:
+        zeroed = {t for e, t in zip(tail, want, strict=True) if int(e[1]) != t and int(e[1]) == 0}
+        ok = all(int(e[1]) == t or t in zeroed for e, t in zip(tail, want, strict=True))
+        ok = ok and (not zeroed or zeroed == {max(seq)})
+    if not ok:
         raise SGLangHTTPError(
             url, "/generate", 200, f"scoring answered {entries!r:.200} for the last {k} tokens of {seq}"
         )

@@ -427,9 +427,25 @@ def write_peft_dir(
     state: Mapping[str, torch.Tensor], config: Mapping[str, Any], out_dir: str | os.PathLike
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (fp32, as PEFT saves) into
-    ``out_dir``, atomically (a temporary directory renamed into place)."""
+    ``out_dir``, atomically (a temporary directory renamed into place).
+
+    Refuses MoE expert adapters (ValueError): transformers 5.19 holds a Qwen2-MoE / Qwen3-MoE
+    layer's experts as two fused 3-D parameters (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj``), with no per-expert ``experts.{E}.gate_proj`` module, and PEFT 0.21
+    turns ``gate_proj/up_proj/down_proj`` targets into its own parameter adapters on those (one
+    ``lora_A [E*r, in]`` / ``lora_B [out, E*r]`` per fused parameter, nested ``base_layer`` keys).
+    Per-expert keys would load as unexpected keys, with only a warning, and leave the experts'
+    adapters at zero: the model PEFT builds would silently differ from the trainer's."""
     from safetensors.torch import save_file
 
+    experts = [k for k in state if ".mlp.experts." in k]
+    if experts:
+        raise ValueError(
+            f"model.lora.target_modules: {len(experts)} adapter tensors sit on MoE experts (e.g. "
+            f"{experts[0]}), which PEFT + transformers cannot load per expert (transformers fuses a "
+            "layer's experts into 3-D parameters); export the merged model (--export-hf-merged) or "
+            "leave linear_fc1/linear_fc2 out of model.lora.target_modules on an MoE model"
+        )
     out = Path(out_dir)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():

@@ -2,9 +2,11 @@
 SGLang's LoRA engine under a versioned name; the base weights on the servers stay as they are.
 
 SGLang 0.5.23 has no adapter versions: **the name is the version**. Version k of the policy is loaded
-as ``policy@v{k}`` (:func:`adapter_name`) on every server with ``/load_lora_adapter_from_tensors``
-(the PEFT-named full tensors, one plain-pickle base64 payload per server TP rank: SGLang slices
-them per rank itself), and every request sent afterwards names it (``lora_path``, through
+as ``policy@v{k}`` (:func:`adapter_name`) on every server, the PEFT-named full tensors (SGLang
+slices them per rank itself) packed in one buffer: written as a PEFT directory on tmpfs and loaded
+with ``/load_lora_adapter`` when the servers are on this host, else ``/load_lora_adapter_from_tensors``
+with one ``flattened_bucket`` payload per server TP rank (:mod:`megatron_acrl.servers.lora_payload`),
+and every request sent afterwards names it (``lora_path``, through
 :class:`megatron_acrl.servers.dispatch.Dispatch`). A request holds the adapter it was submitted with
 until it ends (also across a pause), so a sample's version is its adapter's, all of its tokens alike
 (:func:`stamp`).
@@ -26,21 +28,19 @@ and the next push raises :class:`TimeoutError` so that the recovery replaces it
 
 from __future__ import annotations
 
-import base64
 import difflib
-import io
 import logging
 import os
-import pickle
 import re
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import requests
@@ -50,6 +50,14 @@ from torch import Tensor
 from megatron_acrl.batch.staleness import PREFIX, format_version
 from megatron_acrl.config import Config, ConfigError
 from megatron_acrl.config.model import LoraConfig
+from megatron_acrl.servers.lora_payload import (
+    Transport,
+    all_finite,
+    flat_payload,
+    local_servers,
+    pack,
+    write_peft_dir,
+)
 from megatron_acrl.servers.transfer import fp8_scheme, weights_for_servers
 from sglang_bridge.client import Sample, ServerGoneError
 from sglang_bridge.fp8 import quantize_named_tensors
@@ -221,12 +229,13 @@ class LoraManifest:
             )
         return cls(modules, max_rank)
 
-    def check(self, adapter: Mapping[str, Tensor]) -> int:
+    def check(self, adapter: Mapping[str, Tensor], finite: bool = True) -> int:
         """Raise :class:`AdapterMismatchError` listing what does not fit, else return the rank.
 
         Every name must be ``base_model.model.<served module>.lora_{A,B}.weight``, every served
         module present with both factors, A ``[r, in]`` and B ``[out, r]`` with one r <= the servers'
-        max rank, floating and finite."""
+        max rank, floating and (``finite``) finite. A push checks finiteness once on the packed
+        buffer instead (:func:`all_finite`: one pass, not one per tensor)."""
         errors: list[str] = []
         ranks: set[int] = set()
         seen: set[str] = set()
@@ -249,7 +258,7 @@ class LoraManifest:
             ranks.add(r)
             if not t.is_floating_point():
                 errors.append(f"{name}: dtype {t.dtype}, want a floating dtype")
-            elif not bool(torch.isfinite(t).all()):
+            elif finite and not bool(torch.isfinite(t).all()):
                 errors.append(f"{name}: holds inf or nan")
         missing = [
             f"{PEFT_PREFIX}{mod}.lora_{f}.weight"
@@ -282,15 +291,6 @@ class LoraManifest:
         return "no such served module" + (f"; did you mean {close[0]}?" if close else "")
 
 
-def serialize(adapter: Mapping[str, Tensor], dtype: torch.dtype) -> str:
-    """One payload of ``/load_lora_adapter_from_tensors``: a plain pickle of ``{name: CPU tensor}`` in
-    ``dtype``, base64 (bytes inline: any host, any TP rank; SGLang's safe unpickler accepts it)."""
-    tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in adapter.items()}
-    buf = io.BytesIO()
-    pickle.dump(tensors, buf)  # the default protocol: what SGLang's safe unpickler was measured with
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 class AdapterLoadError(WeightSyncError):
     """A server refused an adapter (its reply's error message is in the text)."""
 
@@ -307,6 +307,13 @@ class AdapterSync:
         timeout_s: a load's and an unload's bound.
         dtype: what the tensors travel in (the servers' dtype).
         background: retire old versions on a thread of its own (else only :meth:`retire_now` does).
+        transport: ``disk``: each version is written once as a PEFT directory on this host's tmpfs
+            (``/dev/shm``) and loaded with ``/load_lora_adapter`` (servers on this host only);
+            ``tensors``: ``/load_lora_adapter_from_tensors`` with a :func:`flat_payload` (any host);
+            ``auto``: ``disk`` when every URL is loopback, else ``tensors``. Measured on the 129 MB
+            benchmark model (rank 16, 112 tensors, 3.5 MB): the tensors POST 50-60 ms (of which
+            ~35 ms the HTTP server parsing a 4.7 MB JSON body), the disk load 18-21 ms + 5 ms to
+            write the file.
     """
 
     def __init__(
@@ -320,7 +327,19 @@ class AdapterSync:
         timeout_s: float = 120.0,
         dtype: torch.dtype = torch.bfloat16,
         background: bool = True,
+        transport: Transport = "auto",
     ):
+        if transport not in ("auto", "disk", "tensors"):
+            raise ValueError(f"AdapterSync(transport={transport!r}): give 'auto', 'disk' or 'tensors'")
+        if transport == "disk" and not local_servers(urls):
+            raise ValueError(
+                f"AdapterSync(transport='disk') with servers {urls}: a server reads the adapter from "
+                "this host's disk, so every URL must be loopback; use transport='tensors'"
+            )
+        self.transport: Literal["disk", "tensors"] = (
+            ("disk" if local_servers(urls) else "tensors") if transport == "auto" else transport
+        )
+        self._stage: Path | None = None
         self.manifest, self.config = manifest, config
         self.server_tp, self.timeout_s, self.dtype = server_tp, timeout_s, dtype
         self._headers = {**auth_headers(api_key), "Content-Type": "application/json"}
@@ -386,46 +405,75 @@ class AdapterSync:
         if self.stuck is not None:
             raise TimeoutError(f"an adapter unload on {self.stuck[0]} never ended ({self.stuck[1]})")
         t0 = time.perf_counter()
-        rank = self.manifest.check(adapter)
+        rank = self.manifest.check(adapter, finite=False)
+        packed = pack(adapter, self.dtype)
+        if not all_finite(packed.flat):
+            self.manifest.check(adapter)  # names each tensor that holds inf or nan
+            raise AdapterMismatchError(
+                "adapter refused before any POST: it holds inf or nan in the servers' dtype"
+            )
         name = adapter_name(label)
         t1 = time.perf_counter()
-        payload = serialize(adapter, self.dtype)
+        config = {**self.config, "r": rank}
+        path: Path | None = None
+        if self.transport == "disk":
+            path = self._stage_dir() / name
+            write_peft_dir(packed, config, path)
+            body: dict[str, Any] = {"lora_name": name, "lora_path": str(path), "pinned": False}
+            wire = float(sum(f.stat().st_size for f in path.iterdir()))
+        else:
+            payload = flat_payload(packed)
+            body = {
+                "lora_name": name,
+                "config_dict": config,
+                "serialized_named_tensors": [payload] * self.server_tp,  # one per TP rank: fewer kill it
+                "load_format": "flattened_bucket",
+                "pinned": False,
+            }
+            wire = float(len(payload) * self.server_tp)
         t2 = time.perf_counter()
-        body = {
-            "lora_name": name,
-            "config_dict": {**self.config, "r": rank},
-            "serialized_named_tensors": [payload] * self.server_tp,
-            "load_format": None,
-            "pinned": False,
-        }
         with self._lock:
             todo = [u for u, names in self.loaded.items() if self._reload_all or name not in names]
-        if todo:
-            with ThreadPoolExecutor(len(todo)) as pool:
-                list(pool.map(lambda u: self._load(u, body), todo))
+        try:
+            if todo:
+                with ThreadPoolExecutor(len(todo)) as pool:
+                    list(pool.map(lambda u: self._load(u, body), todo))
+        finally:
+            if path is not None:  # every server has read it (a load returns once the weights are in memory)
+                shutil.rmtree(path, ignore_errors=True)
         with self._lock:
             for u in todo:
                 self.loaded[u].add(name)
             self._reload_all = False
             self.current = name
             self._wake.notify()  # the previous versions may retire now
-        nbytes = sum(t.numel() for t in adapter.values()) * torch.empty((), dtype=self.dtype).element_size()
         t3 = time.perf_counter()
         return {
             "sync/seconds": t3 - t0,
             "sync/validate_s": t1 - t0,
             "sync/serialize_s": t2 - t1,
             "sync/post_s": t3 - t2,
-            "sync/bytes": float(nbytes),
-            "sync/wire_bytes": float(len(payload) * self.server_tp * len(todo)),
+            "sync/bytes": float(packed.flat.numel() * packed.flat.element_size()),
+            "sync/wire_bytes": wire * len(todo),
             "sync/tensors": float(len(adapter)),
             "sync/adapter_rank": float(rank),
+            "sync/adapter_disk": float(self.transport == "disk"),
             "sync/adapters_live": float(len(self.live())),
             "sync/adapters_retired": float(self.retired),
         }
 
+    def _stage_dir(self) -> Path:
+        """This sync's directory for PEFT files: on tmpfs (``/dev/shm``) where there is one, so a
+        version never touches a disk; removed by :meth:`close`."""
+        if self._stage is None:
+            shm = Path("/dev/shm")
+            root = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+            self._stage = Path(tempfile.mkdtemp(prefix="acrl-lora-", dir=root))
+        return self._stage
+
     def _load(self, url: str, body: dict[str, Any]) -> None:
-        reply = self._post(url, "/load_lora_adapter_from_tensors", body)
+        path = "/load_lora_adapter" if "lora_path" in body else "/load_lora_adapter_from_tensors"
+        reply = self._post(url, path, body)
         if reply.get("success"):
             return
         msg = str(reply.get("error_message", reply))
@@ -525,3 +573,5 @@ class AdapterSync:
             self._wake.notify()
         if self._retirer is not None:
             self._retirer.join(timeout=self.timeout_s + 5)
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)

@@ -2,8 +2,10 @@
 ``lora_cpu`` patch): one LoRA server shared by the module's tests (the recovery test starts its own
 through the run's handle, which it kills).
 
-* an adapter pushed with ``/load_lora_adapter_from_tensors`` serves the same log-probs as the merged
-  weights W + (alpha / r) B A pushed through today's full update (the layout proof's tolerance);
+* an adapter pushed as a PEFT file on tmpfs (``/load_lora_adapter``, servers on this host) serves the
+  same log-probs as the merged weights W + (alpha / r) B A pushed through today's full update (the
+  layout proof's tolerance), and as the same adapter sent as a ``flattened_bucket`` payload
+  (``/load_lora_adapter_from_tensors``, servers on other hosts);
 * a bad adapter is refused by the validator before any POST, and the server still serves;
 * a version loaded while a request of the old one runs: the request keeps the old adapter, the old
   version is retired only once it ended;
@@ -90,6 +92,14 @@ def test_an_adapter_push_serves_what_the_merged_weights_serve(
     assert m["sync/adapter_rank"] == RANK and "policy@v1" in served_adapters(url)
     served = score(url, "policy@v1")
     assert (served - base).abs().max() > 0.1  # the adapter moves the log-probs
+    assert adapters.transport == "disk"
+    remote = AdapterSync([url], lm, adapters.config, timeout_s=120, background=False, transport="tensors")
+    try:
+        remote.push(adapter, "tensors-1")
+        assert float((score(url, "policy@tensors-1") - served).abs().max()) < 1e-4  # the same bf16 values
+    finally:
+        remote.close()
+        requests.post(url + "/unload_lora_adapter", json={"lora_name": "policy@tensors-1"}, timeout=120)
 
     manifest = Manifest.from_checkpoint(tiny_ckpt)
     weights: dict[str, torch.Tensor] = {}
@@ -162,6 +172,22 @@ def test_a_new_version_loads_while_the_old_serves_and_retires_after(
     assert in_flight == 1 and retired == 0, "the request ended before v4 was loaded: lengthen it"
     assert [s.weight_version for s in samples] == ["step-3", "step-3"]
     assert all(s.weight_versions == [{"version": "step-3", "start": 0, "end": 480}] for s in samples)
+    # Every token came from v3 (the adapter the request acquired), none from v4 loaded meanwhile:
+    # sampled log-probs of output tokens 300-399 (sampled well after v4 was loaded) against both
+    # adapters' teacher-forced scoring of the ~400-token sequences. (This rescoring once came back
+    # "malformed": SGLang echoes the last vocabulary id as 0, see sglang_bridge.samples.target_logprobs.)
+    seqs = [s.prompt_ids + s.output_ids[:400] for s in samples]
+
+    async def rescore(name: str) -> list[list[float]]:
+        async with SGLangClient(url) as c:
+            return await c.score(seqs, [100, 100], lora_path=name)
+
+    got = torch.tensor([s.rollout_logprobs[300:400] for s in samples])
+    v3, v4 = (torch.tensor(asyncio.run(rescore(n))) for n in ("policy@v3", "policy@v4"))
+    own, other = (got - v3).abs(), (got - v4).abs()
+    print(f"sampled vs v3 / v4 mean |dlogp|: {float(own.mean()):.2e} / {float(other.mean()):.2e}")
+    assert float(own.mean()) < TOL / 2 and float(own.max()) < 0.1
+    assert float(other.mean()) > 5 * float(own.mean())
     assert adapters.retire_now() == 1
     assert served_adapters(url) == {"policy@v4"} and adapters.live() == {"policy@v4"}
 
@@ -172,6 +198,43 @@ class AdapterPolicy:
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return self.adapter
+
+
+def test_long_sequences_holding_the_last_vocab_id_score_on_an_adapter(
+    lora_server: SGLangServer, adapters: AdapterSync, lm: LoraManifest, tiny_ckpt: Path
+) -> None:
+    # SGLang echoes id vocab_size - 1 as 0 in input_token_logprobs; its log-prob is the real
+    # token's: checked against the same server's per-id log-prob of that token (token_ids_logprob)
+    url, top = (
+        lora_server.url,
+        int(Manifest.from_checkpoint(tiny_ckpt).tensors["model.embed_tokens.weight"].shape[0]) - 1,
+    )
+    adapters.push(make_adapter(lm, RANK, seed=6), "step-6")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, top, (407,), generator=g) for _ in range(2)]
+    for s in seqs:
+        s[[50, 200, 300, 406]] = top
+    seqs_l = [s.tolist() for s in seqs]
+
+    async def run() -> list[list[float]]:
+        async with SGLangClient(url) as c:
+            return await c.score(seqs_l, [400, 400], lora_path="policy@v6")
+
+    got = torch.tensor(asyncio.run(run()))
+    body = {
+        "input_ids": seqs_l,
+        "sampling_params": [{"max_new_tokens": 0}] * 2,
+        "return_logprob": True,
+        "logprob_start_len": [6, 6],
+        "token_ids_logprob": [[top], [top]],
+        "lora_path": "policy@v6",
+    }
+    outs = requests.post(url + "/generate", json=body, timeout=300).json()
+    for i, o in enumerate(outs):
+        per_id = o["meta_info"]["input_token_ids_logprobs"]
+        for p in (50, 200, 300, 406):
+            assert abs(float(got[i, p - 7]) - per_id[p - 6][0][0]) < 1e-3  # same forward, other batch
+    assert got.shape == (2, 400)
 
 
 @pytest.mark.slow  # starts and restarts its own server (~40 s)

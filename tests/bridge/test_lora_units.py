@@ -21,6 +21,7 @@ from megatron_acrl.batch.staleness import token_versions
 from megatron_acrl.config import load_config
 from megatron_acrl.config.model import LoraConfig
 from megatron_acrl.servers.dispatch import Dispatch
+from megatron_acrl.servers.lora_payload import all_finite, flat_payload, pack, serialize
 from megatron_acrl.servers.lora_sync import (
     PEFT_PREFIX,
     AdapterMismatchError,
@@ -29,14 +30,15 @@ from megatron_acrl.servers.lora_sync import (
     adapter_config,
     adapter_label,
     adapter_name,
-    serialize,
     served_modules,
 )
 from megatron_acrl.servers.publisher import WeightPublisher
 from megatron_acrl.servers.transfer import RESTART
 from sglang_bridge.client import Sample, SamplingParams, ServerGoneError
 from sglang_bridge.cpu_compat import CPU_HOOK_DIR, HOOKS_ENV
+from sglang_bridge.samples import target_logprobs
 from sglang_bridge.server_spec import LoraServing, ServerSpec
+from sglang_bridge.transport import SGLangHTTPError
 from sglang_bridge.weight_sync import Manifest
 from sglang_bridge.weight_sync.manifest import TensorSpec
 
@@ -163,6 +165,73 @@ def test_a_payload_is_a_plain_pickle_in_the_servers_dtype(lm: LoraManifest) -> N
     )
 
 
+def test_a_flattened_bucket_payload_is_what_sglangs_safe_unpickler_rebuilds(lm: LoraManifest) -> None:
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    adapter = make_adapter(lm, 4)
+    data = MultiprocessingSerializer.deserialize(flat_payload(pack(adapter, torch.bfloat16)))
+    bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    back = dict(
+        bucket.reconstruct_tensors()
+    )  # what SGLang's tp worker does with load_format flattened_bucket
+    assert list(back) == list(adapter)
+    assert all(torch.equal(back[k], v.bfloat16()) for k, v in adapter.items())
+
+
+def test_the_finite_check_reads_the_exponent_bits() -> None:
+    x = torch.randn(1000)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert all_finite(x.to(dtype))
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            y = x.clone()
+            y[537] = bad
+            assert not all_finite(y.to(dtype)), (dtype, bad)
+    assert not all_finite(torch.tensor([1e39]).to(torch.float16))  # overflows the dtype: inf
+
+
+def test_scoring_accepts_sglangs_zeroed_echo_of_the_last_vocab_id() -> None:
+    # SGLang 0.5.23 echoes id vocab_size - 1 as 0 (its log-prob is the real token's): measured on a
+    # LoRA server, the cause of the "malformed" rescoring of long sampled sequences
+    seq = [5, 319, 7, 319, 9]
+    out = {
+        "meta_info": {
+            "input_token_logprobs": [
+                [None, 5, None],
+                [-1.0, 0, None],
+                [-2.0, 7, None],
+                [-3.0, 0, None],
+                [-4.0, 9, None],
+            ]
+        }
+    }
+    assert target_logprobs(out, seq, 4, "u") == [-1.0, -2.0, -3.0, -4.0]
+    shifted = {
+        "meta_info": {
+            "input_token_logprobs": [
+                [None, 0, None],
+                [-1.0, 5, None],
+                [-2.0, 0, None],
+                [-3.0, 7, None],
+                [-4.0, 0, None],
+            ]
+        }
+    }
+    with pytest.raises(SGLangHTTPError):
+        target_logprobs(shifted, seq, 4, "u")
+    with pytest.raises(SGLangHTTPError):  # 0 for an id that is not the sequence's largest
+        target_logprobs(out, [5, 319, 7, 320, 9], 4, "u")
+
+
+def test_a_peft_export_of_moe_expert_adapters_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    from megatron_acrl.megatron import lora
+
+    state = {f"{PEFT_PREFIX}model.layers.0.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(4, 8)}
+    with pytest.raises(ValueError, match=r"model.lora.target_modules.*--export-hf-merged"):
+        lora.write_peft_dir(state, {}, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_the_adapter_config_is_plain_lora_over_the_hf_modules() -> None:
     c = adapter_config(LoraConfig(rank=8, alpha=16.0, target_modules=("linear_qkv",)), "/m")
     assert c["target_modules"] == ["q_proj", "k_proj", "v_proj"] and c["lora_alpha"] == 16.0
@@ -282,6 +351,43 @@ def test_a_hung_unload_fails_the_next_push_until_the_recovery_replaces_the_serve
     sync.push(make_adapter(lm, 8), "step-3")
     loads = {c[0] for c in sync._post.calls if c[1] == "/load_lora_adapter_from_tensors"}  # type: ignore[attr-defined]
     assert loads == {"http://a", "http://c"}  # every server, the survivors too (already there: fine)
+
+
+def test_local_servers_load_a_peft_dir_from_tmpfs_removed_after(lm: LoraManifest) -> None:
+    from safetensors.torch import load_file
+
+    adapter, seen = make_adapter(lm, 8), []
+    s = AdapterSync(["http://127.0.0.1:1"], lm, adapter_config(LoraConfig(rank=8)), background=False)
+
+    def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        d = Path(body["lora_path"])
+        seen.append(
+            (
+                path,
+                d,
+                load_file(str(d / "adapter_model.safetensors")),
+                (d / "adapter_config.json").read_text(),
+            )
+        )
+        return {"success": True}
+
+    s._post = post  # type: ignore[method-assign]
+    try:
+        assert s.transport == "disk"
+        m = s.push(adapter, "step-1")
+        [(path, d, tensors, config)] = seen
+        assert path == "/load_lora_adapter" and d.name == "policy@v1" and m["sync/adapter_disk"] == 1.0
+        assert '"r": 8' in config and not d.exists()  # read by the server during the load, then removed
+        assert all(torch.equal(tensors[k], v.bfloat16()) for k, v in adapter.items())
+        bad = dict(adapter)
+        bad[next(iter(bad))] = bad[next(iter(bad))].clone().fill_(float("nan"))
+        with pytest.raises(AdapterMismatchError, match="holds inf or nan"):
+            s.push(bad, "step-2")
+        assert len(seen) == 1
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="transport='tensors'"):
+        AdapterSync(["http://10.0.0.7:30000"], lm, {}, background=False, transport="disk")
 
 
 # -- the dispatch names the current adapter --------------------------------------------------------
