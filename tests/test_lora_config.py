@@ -66,6 +66,17 @@ def test_rank_divisible_by_tp() -> None:
     config_from_dict(with_lora(dict(rank=4), parallel=dict(tp=2)))
 
 
+def test_disk_transport_needs_servers_on_this_host() -> None:
+    remote = {"rollout": {"server_urls": ["http://10.0.0.7:30000"], "api_key_env": "K"}}
+    msg = error_of({**with_lora(dict(transport="disk")), **remote})
+    assert "model.lora.transport" in msg and "use transport: tensors" in msg and "10.0.0.7" in msg
+    config_from_dict({**with_lora(dict(transport="tensors")), **remote})  # the fix works
+    config_from_dict({**with_lora(dict(transport="auto")), **remote})  # auto picks tensors itself
+    local = {"rollout": {"server_urls": ["http://127.0.0.1:30000"], "api_key_env": "K"}}
+    assert config_from_dict({**with_lora(dict(transport="disk")), **local}).model.lora.transport == "disk"
+    assert "model.lora.transport" in error_of(with_lora(dict(transport="nfs")))
+
+
 def test_lora_fields_fixed_on_resume() -> None:
     data = {"model": {"lora": {}}}
     cfg_dict = json.loads(json.dumps(data))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megatron_acrl.config._base import _check, _raise_if
 from megatron_acrl.config.algorithm import AlgorithmConfig, CorrectionConfig
-from megatron_acrl.config.model import ModelConfig, ParallelConfig, lora_layout_errors
+from megatron_acrl.config.model import ModelConfig, ParallelConfig, lora_layout_errors, lora_transport_errors
 from megatron_acrl.config.resume_keys import allow_changes_errors
 from megatron_acrl.config.rollout import RolloutConfig
 from megatron_acrl.config.training import LoggingConfig, TaskConfig, TrainingConfig
@@ -153,6 +153,7 @@ class Config:
         )
         e += self._token_budget_checks()
         e += lora_layout_errors(m, p)
+        e += lora_transport_errors(m.lora, self.rollout.server_urls)
         if self.training.exact_eval_interval:
             t = self.task
             _check(

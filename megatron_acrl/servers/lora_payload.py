@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import torch
 from torch import Tensor
@@ -117,9 +116,3 @@ def write_peft_dir(packed: Packed, config: dict[str, Any], path: Path) -> None:
 
 
 Transport = Literal["auto", "disk", "tensors"]
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
-
-
-def local_servers(urls: list[str]) -> bool:
-    """Whether every server at ``urls`` listens on this host's loopback (so it reads our files)."""
-    return bool(urls) and all((urlsplit(u).hostname or "") in LOOPBACK_HOSTS for u in urls)

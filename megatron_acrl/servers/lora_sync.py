@@ -49,12 +49,11 @@ from torch import Tensor
 
 from megatron_acrl.batch.staleness import PREFIX, format_version
 from megatron_acrl.config import Config, ConfigError
-from megatron_acrl.config.model import LoraConfig
+from megatron_acrl.config.model import LoraConfig, local_servers
 from megatron_acrl.servers.lora_payload import (
     Transport,
     all_finite,
     flat_payload,
-    local_servers,
     pack,
     write_peft_dir,
 )
@@ -134,6 +133,7 @@ def adapter_sync_for(cfg: Config, urls: list[str], served_dir: str, base: str, a
         server_tp=cfg.rollout.server_tp,
         api_key=api_key,
         timeout_s=cfg.rollout.sync_timeout_s,
+        transport=lora.transport,
     )
 
 
