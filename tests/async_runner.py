@@ -122,16 +122,21 @@ def prepare_for(hooks: dict):
         if "record_weights" in hooks and ctx.servers is not None:
             _record_weights(ctx, Path(hooks["record_weights"]))
         if "score" in hooks and ctx.servers is not None:
-            close = ctx.close
-
-            def scored_close():
-                if ctx.servers is not None:
-                    _score_segments(ctx, hooks["score"])
-                close()
-
-            ctx.close = scored_close
+            score_before_close(ctx, lambda: _score_segments(ctx, hooks["score"]))
 
     return prepare
+
+
+def score_before_close(ctx, score) -> None:
+    """Run ``score()`` when the run closes, while its servers still answer (then close as before)."""
+    close = ctx.close
+
+    def scored_close():
+        if ctx.servers is not None:
+            score()
+        close()
+
+    ctx.close = scored_close
 
 
 def main() -> None:

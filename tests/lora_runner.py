@@ -149,14 +149,7 @@ def prepare_for(hooks: dict):
         if "record_adapters" in hooks and ctx.servers is not None:
             _record_adapters(ctx, Path(hooks["record_adapters"]), run)
         if "score_adapters" in hooks and ctx.servers is not None:
-            close = ctx.close
-
-            def scored_close():
-                if ctx.servers is not None:
-                    _score_adapters(ctx, hooks["score_adapters"])
-                close()
-
-            ctx.close = scored_close
+            async_runner.score_before_close(ctx, lambda: _score_adapters(ctx, hooks["score_adapters"]))
 
     return prepare
 
