@@ -24,7 +24,9 @@ first, 300 steps never copied an operand; this form copies after ~350).
 
 :func:`direct_answer` picks the direct traces of the warm start's last steps
 (:data:`MIXED_TAIL`, :data:`DIRECT_FRACTION`): the model first learns the tool (copy the operands,
-then the result), then that answering at once is also something it does; RL starts from a policy
+then the result: the warm start trains tool traces alone until their NLL has stayed below
+:data:`COPY_NLL`, because when the copy is learned depends on the seed, 350 to 500+ steps), then that
+answering at once is also something it does; RL starts from a policy
 that calls the calculator part of the time and is right when it does, so GRPO groups differ and
 RL has something to learn: call the tool.
 
@@ -54,6 +56,14 @@ MIXED_TAIL = 0.15
 DIRECT_FRACTION = 0.6
 """In those steps, the chance that a trace answers directly instead of calling the calculator."""
 
+COPY_NLL = 0.05
+"""The tool traces' token NLL (mean of the last :data:`COPY_WINDOW` steps) below which the copy counts
+as learned and the mixed tail starts: on the plateau before it every operand digit is a guess (NLL
+~0.2-0.27); once the model copies, it falls to ~0.02 within a few dozen steps."""
+
+COPY_WINDOW = 10
+"""Steps the NLL is averaged over for :data:`COPY_NLL` (single batches are noisy)."""
+
 END_OF_TURN = "<|im_end|>"
 
 Render = Callable[[Sequence[dict[str, Any]], bool], str]
@@ -79,11 +89,11 @@ def calculator_trace(question: str, answer: str, *, use_tool: bool = True) -> li
     ]
 
 
-def direct_answer(step: int, total_steps: int, n: int, seed: int) -> list[bool]:
-    """Which of warm-start step ``step``'s ``n`` traces answer directly (no tool): none before the
-    last :data:`MIXED_TAIL` of ``total_steps``, then each with probability :data:`DIRECT_FRACTION`
+def direct_answer(step: int, tail_start: int, n: int, seed: int) -> list[bool]:
+    """Which of warm-start step ``step``'s ``n`` traces answer directly (no tool): none before
+    ``tail_start`` (the mixed tail's first step), then each with probability :data:`DIRECT_FRACTION`
     (deterministic in ``seed`` and ``step``)."""
-    if step < total_steps - round(MIXED_TAIL * total_steps):
+    if step < tail_start:
         return [False] * n
     rng = random.Random(seed * 1_000_003 + step)
     return [rng.random() < DIRECT_FRACTION for _ in range(n)]

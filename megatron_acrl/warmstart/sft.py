@@ -40,8 +40,9 @@ def sft_cache_key(cfg: Config, base_dir: str | Path) -> str:
             cfg.training.sft_batch_size,
             cfg.training.seed,
             # agent warm starts train tool-call traces; a key without an env stays what it was
-            # (v2: compact args-first calls, short instructions, direct answers in the last steps)
-            *([f"agent-env={cfg.rollout.agent.env}:v2"] if _traces(cfg) else []),
+            # (v2: compact args-first calls, short instructions, direct answers in the last steps;
+            # v3: tool traces until the copy is learned, then the mixed tail)
+            *([f"agent-env={cfg.rollout.agent.env}:v3"] if _traces(cfg) else []),
         ],
         sort_keys=True,
     )
@@ -108,7 +109,7 @@ def sft_warmstart(
     """Run (or reuse) the warm-start; every trainer rank calls it. Returns the checkpoint directory."""
     from megatron_acrl.algo.losses import sft_loss
     from megatron_acrl.megatron.policy import Policy
-    from megatron_acrl.warmstart.agent_traces import direct_answer
+    from megatron_acrl.warmstart.agent_traces import MIXED_TAIL
 
     out = Path(cache_root) / f"sft-{sft_cache_key(cfg, base_dir)}"
     if out.is_dir():
@@ -140,19 +141,59 @@ def sft_warmstart(
     n = t.sft_batch_size - t.sft_batch_size % (trainer.dp_size * sft_cfg.training.micro_batch_size) or (
         trainer.dp_size * sft_cfg.training.micro_batch_size
     )
-    for step in range(t.sft_steps):
+    traces = _traces(cfg)
+    tail = round(MIXED_TAIL * t.sft_steps) if traces else 0
+    schedule = _TraceSchedule(t.sft_steps, tail, t.seed)
+    step = 0
+    while step < schedule.total:
         prompts = list(itertools.islice(stream, n))
-        if _traces(cfg):
-            direct = direct_answer(step, t.sft_steps, len(prompts), t.seed)
-            batch = trace_batch(prompts, tokenizer, pad, direct)
+        if traces:
+            batch = trace_batch(prompts, tokenizer, pad, schedule.direct(step, len(prompts)))
         else:
             batch = sft_batch(prompts, tokenizer, eos, pad)
         metrics = trainer.train_step(batch)
-        if dist.get_rank() == 0 and (step % 20 == 0 or step == t.sft_steps - 1):
-            log(f"sft step {step}/{t.sft_steps}: nll {metrics.get('sft/nll', float('nan')):.4f}")
+        if traces and schedule.observe(step, float(metrics.get("sft/nll", float("inf")))):
+            log(f"sft step {step}: tool-call copy learned; {tail} mixed steps follow")
+        if dist.get_rank() == 0 and (step % 20 == 0 or step == schedule.total - 1):
+            log(f"sft step {step}/{schedule.total}: nll {metrics.get('sft/nll', float('nan')):.4f}")
+        step += 1
     # As served: bf16, the base tokenizer. Two runs of the same key may both get here (no lock: the
     # ranks of a run would have to wait on it together); the first to finish is kept, and the other
     # run, which may already serve it, never sees it replaced.
     trainer.save_hf(out, base_dir=base_dir, dtype=torch.bfloat16, keep_existing=True)
     del trainer
     return out
+
+
+class _TraceSchedule:
+    """The tool-trace warm start's two phases: tool traces alone until the copy is learned (their
+    NLL's mean over the last ``COPY_WINDOW`` steps below ``COPY_NLL`` on every rank, or the first
+    ``sft_steps - tail`` steps at most), then ``tail`` steps that mix in direct answers. ``total`` is
+    the step count, shortened once the copy is learned early."""
+
+    def __init__(self, sft_steps: int, tail: int, seed: int):
+        self.total, self.tail, self.seed = sft_steps, tail, seed
+        self.tail_start = sft_steps - tail
+        self._recent: list[float] = []
+
+    def direct(self, step: int, n: int) -> list[bool]:
+        from megatron_acrl.warmstart.agent_traces import direct_answer
+
+        return direct_answer(step, self.tail_start, n, self.seed)
+
+    def observe(self, step: int, nll: float) -> bool:
+        """Note step ``step``'s NLL; True when the copy became learned at it (the tail starts next)."""
+        from megatron_acrl.warmstart.agent_traces import COPY_NLL, COPY_WINDOW
+
+        if step >= self.tail_start - 1:
+            return False
+        self._recent = [*self._recent[-(COPY_WINDOW - 1) :], nll]
+        mean = sum(self._recent) / len(self._recent) if len(self._recent) == COPY_WINDOW else float("inf")
+        # Every rank must switch at the same step (their batches' collectives must match): the worst.
+        worst = torch.tensor([mean], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if worst.item() >= COPY_NLL:
+            return False
+        self.tail_start, self.total = step + 1, step + 1 + self.tail
+        return True

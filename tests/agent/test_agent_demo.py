@@ -19,7 +19,13 @@ from megatron_acrl.rollout.agent.envs.calculator import CalculatorEnv
 from megatron_acrl.rollout.agent.report import eval_report, load_rows, main
 from megatron_acrl.rollout.evaluate import eval_due
 from megatron_acrl.tasks.base import Prompt
-from megatron_acrl.warmstart.agent_traces import DIRECT_FRACTION, MIXED_TAIL, calculator_trace, direct_answer
+from megatron_acrl.warmstart.agent_traces import (
+    COPY_WINDOW,
+    DIRECT_FRACTION,
+    MIXED_TAIL,
+    calculator_trace,
+    direct_answer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "agent_demo.yaml"
@@ -47,10 +53,24 @@ def test_a_trace_call_is_what_the_calculator_env_runs_and_its_answer_scores_1() 
 def test_direct_answers_come_only_in_the_warm_starts_last_steps_at_their_rate() -> None:
     total = 400
     tail_start = total - round(MIXED_TAIL * total)
-    assert not any(d for s in range(tail_start) for d in direct_answer(s, total, 32, seed=1))
-    tail = [d for s in range(tail_start, total) for d in direct_answer(s, total, 32, seed=1)]
+    assert not any(d for s in range(tail_start) for d in direct_answer(s, tail_start, 32, seed=1))
+    tail = [d for s in range(tail_start, total) for d in direct_answer(s, tail_start, 32, seed=1)]
     assert abs(sum(tail) / len(tail) - DIRECT_FRACTION) < 0.05
-    assert direct_answer(tail_start, total, 32, seed=1) == direct_answer(tail_start, total, 32, seed=1)
+    assert direct_answer(tail_start, tail_start, 32, seed=1) == direct_answer(
+        tail_start, tail_start, 32, seed=1
+    )
+
+
+def test_the_mixed_tail_starts_once_the_copy_is_learned_or_at_the_latest_step() -> None:
+    from megatron_acrl.warmstart.sft import _TraceSchedule
+
+    early = _TraceSchedule(800, 120, seed=1)
+    nlls = [0.5] * 300 + [0.02] * 500
+    switched = [s for s in range(800) if s < early.total and early.observe(s, nlls[s])]
+    assert switched == [300 + COPY_WINDOW - 1] and early.tail_start == 310 and early.total == 430
+    assert not any(early.direct(s, 32)[0] for s in range(310)) and any(d for d in early.direct(310, 32))
+    late = _TraceSchedule(800, 120, seed=1)  # never learned: the tail starts where it always did
+    assert not any(late.observe(s, 0.25) for s in range(800)) and (late.tail_start, late.total) == (680, 800)
 
 
 def test_an_agent_run_evaluates_at_step_0_every_interval_and_at_the_end() -> None:
