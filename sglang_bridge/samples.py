@@ -96,16 +96,15 @@ def target_logprobs(out: dict[str, Any], seq: list[int], k: int, url: str) -> li
     (``scheduler_components/logprob_result_processor.py``: ``x if x < vocab_size - 1 else 0``, meant
     for image-hash ids) while its log-prob is that of the real token. Input ids >= ``vocab_size`` are
     refused at the door, so the only id echoed as 0 besides 0 itself is the largest one the vocabulary
-    has: an echo of 0 is accepted where every such position expects one and the same id, the largest
-    of the sequence. A shifted or truncated answer still fails (its echoes differ elsewhere)."""
+    has: an echo of 0 is accepted only where the sequence holds its largest id. A shifted or truncated
+    answer still fails (its echoes differ elsewhere)."""
     entries = (out.get("meta_info") or {}).get("input_token_logprobs") or []
     tail = entries[-k:]
-    want = seq[-k:]
-    ok = len(tail) == k and all(e[0] is not None for e in tail)
-    if ok:
-        zeroed = {t for e, t in zip(tail, want, strict=True) if int(e[1]) != t and int(e[1]) == 0}
-        ok = all(int(e[1]) == t or t in zeroed for e, t in zip(tail, want, strict=True))
-        ok = ok and (not zeroed or zeroed == {max(seq)})
+    top = max(seq)
+    ok = len(tail) == k and all(
+        e[0] is not None and (int(e[1]) == t or (int(e[1]) == 0 and t == top))
+        for e, t in zip(tail, seq[-k:], strict=True)
+    )
     if not ok:
         raise SGLangHTTPError(
             url, "/generate", 200, f"scoring answered {entries!r:.200} for the last {k} tokens of {seq}"

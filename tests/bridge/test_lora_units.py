@@ -221,6 +221,16 @@ def test_scoring_accepts_sglangs_zeroed_echo_of_the_last_vocab_id() -> None:
         target_logprobs(shifted, seq, 4, "u")
     with pytest.raises(SGLangHTTPError):  # 0 for an id that is not the sequence's largest
         target_logprobs(out, [5, 319, 7, 320, 9], 4, "u")
+    wrong = {
+        "meta_info": {
+            "input_token_logprobs": [
+                e if i != 3 else [-3.0, 8, None]
+                for i, e in enumerate(out["meta_info"]["input_token_logprobs"])
+            ]
+        }
+    }
+    with pytest.raises(SGLangHTTPError):  # another id where the largest is expected: not an echo
+        target_logprobs(wrong, seq, 4, "u")
 
 
 def test_a_peft_export_of_moe_expert_adapters_is_refused_naming_the_fix(tmp_path: Path) -> None:
