@@ -74,24 +74,30 @@ def _score(url: str, key: str, prompt: list[int], output: list[int]) -> list[flo
     return [x[0] for x in mi["input_token_logprobs"]][1 : len(output) + 1]
 
 
-def _score_segments(ctx, spec: dict) -> None:
-    """Push each recorded version, score the tokens sampled under it (and under the next version)."""
-    rollouts, weights = Path(spec["rollouts"]), Path(spec["weights"])
-    rows = []  # (version, prompt, output, rollout_logprobs, token_versions)
+def sampled_rows(rollouts: Path) -> list[tuple[list[int], list[int], list[float], list[int]]]:
+    """(prompt, output, rollout log-probs, token versions) of every sample saved under ``rollouts``."""
+    rows = []
     for f in sorted(rollouts.glob("step_*.pt")):
         b = load_rollouts(rollouts, int(f.stem.split("_")[1]))
         for i in range(len(b)):
             resp = b.loss_mask[i] > 0
             start = int(resp.nonzero()[0]) if resp.any() else b.tokens.shape[1]
-            n = int(b.response_len[i])
+            sl = slice(start, start + int(b.response_len[i]))
             rows.append(
                 (
                     b.tokens[i, :start].tolist(),
-                    b.tokens[i, start : start + n].tolist(),
-                    b.rollout_logprobs[i, start : start + n].tolist(),
-                    b.token_versions[i, start : start + n].tolist(),
+                    b.tokens[i, sl].tolist(),
+                    b.rollout_logprobs[i, sl].tolist(),
+                    b.token_versions[i, sl].tolist(),
                 )
             )
+    return rows
+
+
+def _score_segments(ctx, spec: dict) -> None:
+    """Push each recorded version, score the tokens sampled under it (and under the next version)."""
+    rollouts, weights = Path(spec["rollouts"]), Path(spec["weights"])
+    rows = sampled_rows(rollouts)
     versions = sorted({v for r in rows for v in r[3]})
     url = ctx.servers.urls[0]
     out = {}

@@ -27,7 +27,6 @@ import e2e_runner
 import httpx
 import torch
 
-from megatron_acrl.batch.rollout_batch import load_rollouts
 from megatron_acrl.batch.staleness import parse_version
 from megatron_acrl.servers.lora_sync import adapter_name
 from sglang_bridge.transport import auth_headers
@@ -95,31 +94,10 @@ def _score(url: str, key: str, prompt: list[int], output: list[int], adapter: st
     return [x[0] for x in mi["input_token_logprobs"]][1 : len(output) + 1]
 
 
-def _sampled(rollouts: Path) -> list[tuple[list[int], list[int], list[float], list[int]]]:
-    """(prompt, output, rollout log-probs, token versions) of every recorded sample."""
-    rows = []
-    for f in sorted(rollouts.glob("step_*.pt")):
-        b = load_rollouts(rollouts, int(f.stem.split("_")[1]))
-        for i in range(len(b)):
-            resp = b.loss_mask[i] > 0
-            start = int(resp.nonzero()[0]) if resp.any() else b.tokens.shape[1]
-            n = int(b.response_len[i])
-            sl = slice(start, start + n)
-            rows.append(
-                (
-                    b.tokens[i, :start].tolist(),
-                    b.tokens[i, sl].tolist(),
-                    b.rollout_logprobs[i, sl].tolist(),
-                    b.token_versions[i, sl].tolist(),
-                )
-            )
-    return rows
-
-
 def _score_adapters(ctx, spec: dict) -> None:
     """Load each recorded version's adapter again and score the tokens sampled under it (and under
     the next version's adapter) with a request naming it."""
-    rows = _sampled(Path(spec["rollouts"]))
+    rows = async_runner.sampled_rows(Path(spec["rollouts"]))
     adapters = Path(spec["adapters"])
     url, key, out = ctx.servers.urls[0], ctx.servers.api_key, {}
     for v in sorted({t for r in rows for t in r[3] if t >= 0}):
